@@ -1,0 +1,162 @@
+"""MindieSDBackend: the ``torch.compile`` backend.
+
+The whole pipeline, per graph that Dynamo hands over::
+
+    Dynamo FX graph ──aot (functional aten, inference)──> aten graph
+        ──freezing (enable_freezing)──> main graph + folded weights
+        ──fusion passes (fusion_patterns.enable_*)──> fused graph
+        ──device-graph runner (aclgraph_*)──> what Dynamo calls
+
+Any failure on the way gives one warning naming the cause and the unfused Dynamo graph runs instead (``strict``
+raises). The same holds at run time: if the optimised graph raises where the unfused one does not, the unfused
+one is used from then on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import warnings
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch.fx import GraphModule
+
+import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
+
+from .config import CompilationConfig
+from .device_graph import wrap_for_capture
+from .freezing import split_constants
+from .graph_log import GraphLog, resolve_log_dir
+from .pass_manager import PassManager
+from .report import CompileReport, GraphRecord, fusion_report
+
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = ["MindieSDBackend", "MindieSDFallbackWarning"]
+
+_graph_ids = itertools.count()
+
+
+class MindieSDFallbackWarning(UserWarning):
+    """An internal failure made a graph run unfused; the message names the cause."""
+
+
+def _is_weight(t: Any) -> bool:
+    """Parameters and buffers: Dynamo marks them as static inputs."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def _node_count(gm: GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+class MindieSDBackend:
+    """Pass as ``torch.compile(model, backend=MindieSDBackend())``.
+
+    The settings are a snapshot of :class:`CompilationConfig` taken here (or ``config``, copied), so later
+    changes to the global settings affect only backends created later. With ``keep_graphs=True`` the final
+    graph of every compile is kept in :attr:`graphs`, for inspection (count the fused ops, read the code).
+    """
+
+    def __init__(self, config: Optional[CompilationConfig] = None, *, keep_graphs: bool = False):
+        if config is not None and not isinstance(config, CompilationConfig):
+            raise TypeError(f"config must be a CompilationConfig, got {type(config).__name__}")
+        self.config = config.copy() if config is not None else CompilationConfig.snapshot()
+        self._report = CompileReport()
+        self.keep_graphs = keep_graphs
+        self.graphs: List[GraphModule] = []
+
+    def report(self) -> CompileReport:
+        """Matches per family, graphs compiled and compile seconds, for this backend."""
+        return self._report
+
+    def __call__(self, gm: GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
+        record = GraphRecord(graph_id=next(_graph_ids), nodes_before=_node_count(gm))
+        start = time.perf_counter()
+        graph_log = GraphLog(resolve_log_dir(self.config.graph_log_url), record.graph_id)
+        try:
+            compiled = self._compile(gm, example_inputs, record, graph_log)
+            compiled = _FallbackOnError(compiled, gm.forward, record, self.config.strict)
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            record.fallback = f"{type(exc).__name__}: {exc}"
+            _warn_fallback(f"compiling graph {record.graph_id} failed ({record.fallback})")
+            compiled = gm.forward
+        record.seconds = time.perf_counter() - start
+        self._finish(record, graph_log)
+        return wrap_for_capture(compiled, self.config)
+
+    def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        config = self.config
+        families = config.fusion_patterns.enabled_families() if config.fuse else ()
+        weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        )
+
+        def inference_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
+            graph_log.graph("aten", aten_gm)
+            frozen = None
+            freezable = config.enable_freezing and not training and len(aten_inputs) == len(example_inputs)
+            if freezable:
+                frozen = split_constants(aten_gm, weights)
+            target = frozen.main if frozen is not None else aten_gm
+            if frozen is not None:
+                record.folded_constants = frozen.n_folded
+                graph_log.graph("freezing", target)
+            record.matches = PassManager(families).run(target, graph_log)
+            target.graph.eliminate_dead_code()
+            target.recompile()
+            record.nodes_after = _node_count(target) + (_node_count(frozen.fold) if frozen is not None else 0)
+            if self.keep_graphs:
+                self.graphs.append(target)
+            return frozen.bind(target.forward) if frozen is not None else target.forward
+
+        def backward_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
+            return aten_gm.forward
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=inference_compiler, bw_compiler=backward_compiler,
+            keep_inference_input_mutations=True,
+        )
+
+    def _finish(self, record: GraphRecord, graph_log: GraphLog) -> None:
+        self._report.add(record)
+        fusion_report().add(record)
+        fused = " ".join(f"{k}={v}" for k, v in record.matches.items()) or "no fusion"
+        line = (f"graph {record.graph_id}: {fused}; nodes {record.nodes_before} -> {record.nodes_after}; "
+                f"{record.folded_constants} folded; {record.seconds:.2f} s"
+                + (f"; FALLBACK {record.fallback}" if record.fallback else ""))
+        log.info("%s", line)
+        graph_log.summary(record.to_dict(), line)
+
+
+def _warn_fallback(message: str) -> None:
+    warnings.warn(f"mindiesd: {message}; running the unfused graph", MindieSDFallbackWarning, stacklevel=3)
+
+
+class _FallbackOnError:
+    """Runs the optimised graph; if it raises where the unfused graph does not, switches to the unfused one."""
+
+    def __init__(self, optimised: Callable[..., Any], unfused: Callable[..., Any], record: GraphRecord, strict: bool):
+        self.optimised, self.unfused, self.record, self.strict = optimised, unfused, record, strict
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed:
+            return self.unfused(*args)
+        try:
+            return self.optimised(*args)
+        except Exception as exc:
+            if self.strict:
+                raise
+            result = self.unfused(*args)  # a genuine input error raises here, as eager would
+            self.failed = True
+            self.record.fallback = f"run time {type(exc).__name__}: {exc}"
+            _warn_fallback(f"graph {self.record.graph_id} failed at run time ({type(exc).__name__}: {exc})")
+            return result

@@ -1,0 +1,273 @@
+"""Settings of the MindieSD backend.
+
+The settings live on the class, as the specification shows::
+
+    CompilationConfig.fusion_patterns.enable_rope = False
+    CompilationConfig.aclgraph_with_compile = True
+
+A backend takes a snapshot when it is created (``MindieSDBackend()``): later changes to the class affect only
+backends created later. ``CompilationConfig(**overrides)`` builds such a snapshot directly, for a backend of
+its own that leaves the globals alone; ``CompilationConfig.reset()`` restores the defaults.
+
+Every assignment is checked: an unknown name raises :class:`UnknownSettingError` listing the valid ones, a value
+of the wrong type raises :class:`SettingTypeError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Tuple
+
+__all__ = [
+    "CompilationConfig",
+    "FusionPatterns",
+    "CompilationConfigError",
+    "UnknownSettingError",
+    "SettingTypeError",
+]
+
+
+class CompilationConfigError(Exception):
+    """Base class of the configuration errors."""
+
+
+class UnknownSettingError(CompilationConfigError, AttributeError):
+    """A setting name that does not exist (usually a misspelling)."""
+
+
+class SettingTypeError(CompilationConfigError, TypeError):
+    """A setting given a value of the wrong type."""
+
+
+@dataclass(frozen=True)
+class _Field:
+    default: Any
+    check: Callable[[Any], bool]
+    expected: str
+    doc: str
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_optional_path(value: Any) -> bool:
+    return value is None or isinstance(value, (str, os.PathLike))
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _unknown(owner: str, name: str, fields: Dict[str, _Field]) -> UnknownSettingError:
+    valid = sorted(fields)
+    hint = difflib.get_close_matches(name, valid, n=1)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    return UnknownSettingError(
+        f"{owner} has no setting {name!r}.{did_you_mean} Valid settings: {', '.join(valid)}."
+    )
+
+
+def _checked(owner: str, name: str, value: Any, fields: Dict[str, _Field]) -> Any:
+    field = fields.get(name)
+    if field is None:
+        raise _unknown(owner, name, fields)
+    if not field.check(value):
+        raise SettingTypeError(
+            f"{owner}.{name} must be {field.expected}, got {value!r} of type {type(value).__name__}."
+        )
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+_FUSION_FIELDS: Dict[str, _Field] = {
+    "enable_rms_norm": _Field(True, _is_bool, "a bool", "Fuse RMSNorm (torch.nn.RMSNorm, F.rms_norm, diffusers RMSNorm)."),
+    "enable_rope": _Field(True, _is_bool, "a bool", "Fuse rotary position embeddings (interleaved, half-rotated, complex)."),
+    "enable_adalayernorm": _Field(True, _is_bool, "a bool", "Fuse adaLN modulation: layer_norm(x) * (1 + scale) + shift."),
+    "enable_fast_gelu": _Field(True, _is_bool, "a bool", "Fuse tanh-approximated GELU (aten.gelu or the explicit formula)."),
+    "enable_mul_add": _Field(True, _is_bool, "a bool", "Fuse x * y + z (incl. the residual gate x + gate * y)."),
+}
+
+#: Fusion family name -> the switch that enables it, in the order the passes run.
+FAMILY_SWITCHES: Dict[str, str] = {
+    "rms_norm": "enable_rms_norm",
+    "rope": "enable_rope",
+    "adalayernorm": "enable_adalayernorm",
+    "fast_gelu": "enable_fast_gelu",
+    "mul_add": "enable_mul_add",
+}
+
+
+class FusionPatterns:
+    """Switches of the five fusion families, each on by default."""
+
+    __slots__ = tuple(_FUSION_FIELDS)
+
+    def __init__(self, **values: bool) -> None:
+        for name, field in _FUSION_FIELDS.items():
+            object.__setattr__(self, name, field.default)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, _checked("CompilationConfig.fusion_patterns", name, value, _FUSION_FIELDS))
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not slots
+        raise _unknown("CompilationConfig.fusion_patterns", name, _FUSION_FIELDS)
+
+    def copy(self) -> "FusionPatterns":
+        return FusionPatterns(**self.to_dict())
+
+    def to_dict(self) -> Dict[str, bool]:
+        return {name: getattr(self, name) for name in _FUSION_FIELDS}
+
+    def enabled_families(self) -> Tuple[str, ...]:
+        """The enabled families, in pass order."""
+        return tuple(family for family, switch in FAMILY_SWITCHES.items() if getattr(self, switch))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FusionPatterns) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
+        return f"FusionPatterns({inner})"
+
+
+def _is_fusion_patterns(value: Any) -> bool:
+    return isinstance(value, (FusionPatterns, dict))
+
+
+_FIELDS: Dict[str, _Field] = {
+    "fusion_patterns": _Field(
+        None, _is_fusion_patterns, "a FusionPatterns or a dict of enable_* switches",
+        "Switches of the fusion families (see FusionPatterns).",
+    ),
+    "aclgraph_only": _Field(
+        False, _is_bool, "a bool",
+        "Capture the graph as a device graph without pattern fusion. aclgraph_with_compile wins when both are set.",
+    ),
+    "aclgraph_with_compile": _Field(
+        False, _is_bool, "a bool", "Apply pattern fusion, then capture the result as a device graph.",
+    ),
+    "enable_freezing": _Field(
+        True, _is_bool, "a bool",
+        "Treat parameters and buffers as constants and fold the computations that depend on them alone. The folded "
+        "values are cached per set of weights and recomputed when a weight is replaced or modified in place.",
+    ),
+    "safe_output_mode": _Field(
+        True, _is_bool, "a bool", "Clone the outputs of each device-graph replay (False returns the static buffers).",
+    ),
+    "graph_log_url": _Field(
+        None, _is_optional_path, "None, a folder path or a file:// URL",
+        "Folder that receives, per compiled graph, each pass's graph before and after, and a summary.",
+    ),
+    "strict": _Field(
+        False, _is_bool, "a bool",
+        "Raise on an internal failure of a pass or trace instead of warning and running the unfused graph.",
+    ),
+}
+
+
+def _fusion_value(value: Any) -> FusionPatterns:
+    return value.copy() if isinstance(value, FusionPatterns) else FusionPatterns(**value)
+
+
+class _ConfigMeta(type):
+    """Checks assignments made on the class itself (``CompilationConfig.aclgraph_only = True``)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            type.__setattr__(cls, name, value)
+            return
+        value = _checked("CompilationConfig", name, value, _FIELDS)
+        if name == "fusion_patterns":
+            value = _fusion_value(value)
+        type.__setattr__(cls, name, value)
+
+    def __delattr__(cls, name: str) -> None:
+        raise CompilationConfigError(f"settings cannot be deleted; use CompilationConfig.reset() ({name!r})")
+
+
+class CompilationConfig(metaclass=_ConfigMeta):
+    """Settings of MindieSDBackend.
+
+    Class attributes are the global settings; an instance is an independent snapshot of them, optionally with
+    overrides: ``CompilationConfig(aclgraph_with_compile=True)``. Settings:
+
+    - ``fusion_patterns``: the five ``enable_*`` switches (:class:`FusionPatterns`), all ``True``.
+    - ``aclgraph_only`` (``False``): device-graph capture without pattern fusion.
+    - ``aclgraph_with_compile`` (``False``): pattern fusion, then device-graph capture; wins over ``aclgraph_only``.
+    - ``enable_freezing`` (``True``): constant folding of what depends on weights alone.
+    - ``safe_output_mode`` (``True``): clone the outputs of each device-graph replay.
+    - ``graph_log_url`` (``None``): folder for the log of graph transforms.
+    - ``strict`` (``False``): raise instead of falling back to the unfused graph.
+    """
+
+    fusion_patterns: FusionPatterns = FusionPatterns()
+    aclgraph_only: bool = False
+    aclgraph_with_compile: bool = False
+    enable_freezing: bool = True
+    safe_output_mode: bool = True
+    graph_log_url: Any = None
+    strict: bool = False
+
+    def __init__(self, **overrides: Any) -> None:
+        cls = type(self)
+        for name in _FIELDS:
+            value = getattr(cls, name)
+            object.__setattr__(self, name, value.copy() if name == "fusion_patterns" else value)
+        for name, value in overrides.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        value = _checked("CompilationConfig", name, value, _FIELDS)
+        if name == "fusion_patterns":
+            value = _fusion_value(value)
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that do not exist
+        raise _unknown("CompilationConfig", name, _FIELDS)
+
+    @classmethod
+    def snapshot(cls) -> "CompilationConfig":
+        """An independent copy of the current global settings."""
+        return cls()
+
+    @classmethod
+    def reset(cls) -> None:
+        """Restore every global setting to its default."""
+        for name, field in _FIELDS.items():
+            setattr(cls, name, FusionPatterns() if name == "fusion_patterns" else field.default)
+
+    @classmethod
+    def settings(cls) -> Iterator[Tuple[str, Any, str]]:
+        """(name, default, description) of every setting, fusion switches included."""
+        for name, field in _FIELDS.items():
+            if name == "fusion_patterns":
+                for sub, sub_field in _FUSION_FIELDS.items():
+                    yield f"fusion_patterns.{sub}", sub_field.default, sub_field.doc
+            else:
+                yield name, field.default, field.doc
+
+    def copy(self) -> "CompilationConfig":
+        return CompilationConfig(**self.to_dict())
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {name: getattr(self, name) for name in _FIELDS}
+        out["fusion_patterns"] = self.fusion_patterns.to_dict()
+        return out
+
+    @property
+    def capture(self) -> bool:
+        """Whether the compiled graph is captured as a device graph."""
+        return self.aclgraph_with_compile or self.aclgraph_only
+
+    @property
+    def fuse(self) -> bool:
+        """Whether pattern fusion runs: off only for aclgraph_only without aclgraph_with_compile."""
+        return self.aclgraph_with_compile or not self.aclgraph_only
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"CompilationConfig({inner})"

@@ -1,0 +1,232 @@
+"""Freezing: parameters and buffers become constants, and what depends on them alone is folded.
+
+The aten graph is split in two: a *fold* graph that computes, from the weights alone, every value the rest of the
+graph needs (a transposed or upcast weight, RoPE frequency tables built from buffers, ``arange`` tables...),
+and a *main* graph that takes those folded values as inputs in place of the weights they came from.
+
+Folded values are computed on the first call and cached per set of weights. The cache is keyed on the identity
+of the weight tensors and checked against their storage pointer and version counter on every call, so one
+compiled graph serving several module instances (a class-decorated block, ``compile_repeated_blocks``) gives
+each instance the result of its own weights, and weights replaced (``param.data = ...``) or modified in place
+(``load_state_dict``, ``with torch.no_grad(): p.copy_(...)``) are folded again before the next use.
+Writes through ``param.data.copy_(...)`` bypass the version counter; call :func:`clear_frozen_caches` after them.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = ["split_constants", "FrozenGraph", "clear_frozen_caches", "MAX_WEIGHT_SETS"]
+
+#: How many weight sets one compiled graph keeps folded values for (least recently used evicted first).
+MAX_WEIGHT_SETS = 256
+#: A folded value may be larger than the weights it is computed from only up to this many elements.
+_MAX_EXPANDED_NUMEL = 1 << 20
+
+_live_graphs: "weakref.WeakSet[FrozenGraph]" = weakref.WeakSet()
+
+
+def clear_frozen_caches() -> None:
+    """Drop every cached folded value; the next call of each compiled graph folds again."""
+    for frozen in list(_live_graphs):
+        frozen.clear()
+
+
+def _numel(value: Any) -> Optional[int]:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return int(value.numel())
+    except Exception:  # symbolic
+        return None
+
+
+def _is_foldable_op(node: Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+        return False
+    return target.namespace in ("aten", "prims")
+
+
+def _mutated_placeholders(gm: GraphModule) -> Set[Node]:
+    mutated = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            for arg, schema_arg in zip(node.args, node.target._schema.arguments):
+                if isinstance(arg, Node) and arg.op == "placeholder" and schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
+                    mutated.add(arg)
+    return mutated
+
+
+def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional["FrozenGraph"]:
+    """Split ``gm`` into fold and main graphs; None when nothing can be folded."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = {placeholders[i] for i in static_indices if i < len(placeholders)}
+    static -= _mutated_placeholders(gm)
+    if not static:
+        return None
+
+    constant: Set[Node] = set(static)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not all(i in constant for i in node.all_input_nodes):
+            continue
+        if node.target is operator.getitem:
+            constant.add(node)
+            continue
+        if not _is_foldable_op(node):
+            continue
+        value = node.meta.get("val")
+        numel = _numel(value)
+        if numel is None and not isinstance(value, (list, tuple)):
+            continue  # symbolic or unknown size
+        input_numel = sum(_numel(i.meta.get("val")) or 0 for i in node.all_input_nodes)
+        if numel is not None and numel > max(input_numel, 1) and numel > _MAX_EXPANDED_NUMEL:
+            continue  # folding would materialise a broadcast
+        constant.add(node)
+
+    # A view computes nothing: folding one only pins the weight's storage in the cache. Views at the boundary
+    # are left to the main graph, which recomputes them from their (folded or weight) inputs.
+    while True:
+        frontier = _frontier(gm, constant, static)
+        unfold = [n for n in frontier if _is_view(n) or not isinstance(n.meta.get("val"), torch.Tensor)]
+        if not unfold:
+            break
+        constant.difference_update(unfold)
+    if not frontier:
+        return None
+
+    fold_graph = Graph()
+    env: Dict[Node, Node] = {}
+    fold_inputs = [i for i, p in enumerate(placeholders) if p in static]
+    for i in fold_inputs:
+        env[placeholders[i]] = fold_graph.placeholder(placeholders[i].name)
+        env[placeholders[i]].meta = dict(placeholders[i].meta)
+    needed = _ancestors(frontier)
+    for node in gm.graph.nodes:
+        if node in needed and node.op == "call_function":
+            env[node] = fold_graph.node_copy(node, lambda n: env[n])
+    fold_graph.output(tuple(env[n] for n in frontier))
+    fold_gm = GraphModule(gm, fold_graph)
+
+    main_graph = Graph()
+    main_env: Dict[Node, Node] = {}
+    for node in frontier:
+        main_env[node] = main_graph.placeholder(f"folded_{node.name}")
+        main_env[node].meta = dict(node.meta)
+    main_inputs: List[int] = []
+    for i, p in enumerate(placeholders):
+        if p in static and all(u in constant for u in p.users):
+            continue
+        main_env[p] = main_graph.placeholder(p.name)
+        main_env[p].meta = dict(p.meta)
+        main_inputs.append(i)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder",) or node in main_env:
+            continue
+        if node in constant:
+            continue
+        main_env[node] = main_graph.node_copy(node, lambda n: main_env[n])
+    main_graph.eliminate_dead_code()
+    main_gm = GraphModule(gm, main_graph)
+    return FrozenGraph(fold_gm, main_gm, fold_inputs, main_inputs, n_folded=len(frontier))
+
+
+def _is_view(node: Node) -> bool:
+    if node.target is operator.getitem:
+        return True
+    schema = node.target._schema
+    return bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _frontier(gm: GraphModule, constant: Set[Node], static: Set[Node]) -> List[Node]:
+    """Folded nodes whose value the rest of the graph reads."""
+    return [
+        n for n in gm.graph.nodes
+        if n in constant and n not in static and any(u not in constant for u in n.users)
+    ]
+
+
+def _ancestors(nodes: Sequence[Node]) -> Set[Node]:
+    seen: Set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+class _Entry:
+    __slots__ = ("refs", "ptrs", "versions", "folded")
+
+    def __init__(self, weights: Sequence[torch.Tensor], folded: Tuple[torch.Tensor, ...]):
+        self.refs = [weakref.ref(w) for w in weights]
+        self.ptrs = [w.data_ptr() for w in weights]
+        self.versions = [w._version for w in weights]
+        self.folded = folded
+
+    def valid_for(self, weights: Sequence[torch.Tensor]) -> bool:
+        for ref, ptr, version, w in zip(self.refs, self.ptrs, self.versions, weights):
+            if ref() is not w or w._version != version or w.data_ptr() != ptr:
+                return False
+        return True
+
+
+class FrozenGraph:
+    """The split graph and its cache of folded values per weight set.
+
+    ``main`` is the graph that fusion passes work on; call :meth:`bind` once they are done to get the callable
+    that takes the original inputs.
+    """
+
+    def __init__(self, fold: GraphModule, main: GraphModule, fold_inputs: List[int], main_inputs: List[int], n_folded: int):
+        self.fold, self.main = fold, main
+        self.fold_inputs, self.main_inputs, self.n_folded = fold_inputs, main_inputs, n_folded
+        self._cache: "OrderedDict[Tuple[int, ...], _Entry]" = OrderedDict()
+        self._lock = threading.Lock()
+        _live_graphs.add(self)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def folded_for(self, args: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
+        weights = [args[i] for i in self.fold_inputs]
+        key = tuple(map(id, weights))
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None and entry.valid_for(weights):
+                self._cache.move_to_end(key)
+                return entry.folded
+        with torch.no_grad():
+            folded = tuple(self.fold(*weights))
+        with self._lock:
+            self._cache[key] = _Entry(weights, folded)
+            self._cache.move_to_end(key)
+            while len(self._cache) > MAX_WEIGHT_SETS:
+                self._cache.popitem(last=False)
+        log.debug("folded %d constants for a new weight set (%d cached)", len(folded), len(self._cache))
+        return folded
+
+    def bind(self, run_main: Callable[..., Any]) -> Callable[..., Any]:
+        """The callable on the original inputs: folded values (cached) plus the inputs main still reads."""
+        main_inputs, folded_for = self.main_inputs, self.folded_for
+
+        def run(*args: Any) -> Any:
+            return run_main(*folded_for(args), *[args[i] for i in main_inputs])
+
+        return run

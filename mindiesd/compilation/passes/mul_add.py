@@ -1,0 +1,33 @@
+"""``x * y + z`` and ``z + x * y`` (the residual gate) replaced by ``mindiesd.mul_add``.
+
+Fused only when eager's two roundings are the fused op's one: the product must already have the dtype of the
+sum (z promotes nothing further), all three operands are tensors, and no one else uses the product.
+Broadcasting is free: the result shape of ``x * y + z`` is the broadcast of the three, in any association.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..matcher import Op, Var
+from .base import FusionPass, Rule, tensor_val
+
+aten = torch.ops.aten
+
+_product = Op(aten.mul.Tensor, Var("x"), Var("y"), name="product")
+_sum = Op(aten.add.Tensor, _product, Var("z"), commutative=True)
+
+
+def _build(m, root, emit):
+    x, y, z = (tensor_val(m[name]) for name in ("x", "y", "z"))
+    if x is None or y is None or z is None:
+        return None
+    product, out = tensor_val(m["product"]), tensor_val(root)
+    if product.dtype != out.dtype or not out.dtype.is_floating_point:
+        return None
+    return emit(torch.ops.mindiesd.mul_add.default, m["x"], m["y"], m["z"])
+
+
+class MulAddPass(FusionPass):
+    family = "mul_add"
+    rules = (Rule("mul_add", _sum, _build),)

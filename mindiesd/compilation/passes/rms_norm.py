@@ -1,0 +1,49 @@
+"""RMSNorm: ``x * rsqrt(mean(x², -1) + eps) [* weight]`` in every form aot produces.
+
+Covered: ``torch.nn.RMSNorm`` / ``F.rms_norm`` / ``torch.rms_norm`` (square by ``pow``, the upcast input in the
+final multiply, eps as ``add.Scalar``) and diffusers' ``RMSNorm`` class (the original input in the multiply, a
+downcast before the weight, eps as ``add.Tensor``); also ``x * x`` for the square and ``x / sqrt(·)``. Any eps
+(read from the graph), any rank, fp32/bf16/fp16, with and without weight. The mean must run over the last
+dimension alone; the fused op normalises in fp32 and rounds once to the dtype of the replaced node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..matcher import Alt, Cast, Lit, Op, OutCast, Var
+from .base import FusionPass, Rule, last_dim_index, tensor_val
+
+aten = torch.ops.aten
+
+_x = Cast(Var("x"))
+_square = Alt(
+    Op(aten.pow.Tensor_Scalar, _x, Lit(check=lambda v: v == 2)),
+    Op(aten.mul.Tensor, _x, _x),
+)
+_mean_square = Op(aten.mean.dim, _square, Var("dims"), True)
+_variance = Op((aten.add.Scalar, aten.add.Tensor), _mean_square, Lit("eps", check=lambda v: v >= 0), commutative=True)
+_normalized = Alt(
+    Op(aten.mul.Tensor, Op(aten.rsqrt.default, _variance), _x, commutative=True),
+    Op(aten.div.Tensor, _x, Op(aten.sqrt.default, _variance)),
+)
+_weighted = Op(aten.mul.Tensor, Cast(_normalized, lossy=True, shared=False), Cast(Var("weight")), commutative=True)
+
+
+def _build(m, root, emit):
+    x = tensor_val(m["x"])
+    if x is None or not x.dtype.is_floating_point or x.dim() == 0 or not last_dim_index(m["dims"], x.dim()):
+        return None
+    weight = m.get("weight")
+    if weight is not None and tensor_val(weight) is None:
+        return None
+    out_dtype = tensor_val(root).dtype
+    return emit(torch.ops.mindiesd.rms_norm.default, m["x"], weight, float(m["eps"]), out_dtype=out_dtype)
+
+
+class RMSNormPass(FusionPass):
+    family = "rms_norm"
+    rules = (
+        Rule("weighted", OutCast(_weighted), _build),
+        Rule("unweighted", OutCast(_normalized), _build),
+    )

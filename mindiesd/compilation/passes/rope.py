@@ -1,0 +1,231 @@
+"""Rotary position embedding in its four usual forms, all replaced by ``mindiesd.rope``.
+
+- interleaved pairs (Flux ``apply_rotary_emb``): ``x*cos + rot(x)*sin`` with
+  ``rot(x) = stack([-x_odd, x_even], -1).view(x.shape)``, ``x_even, x_odd = x.view(..., -1, 2).unbind(-1)``;
+- half-rotated (``rotate_half``, ``use_real_unbind_dim=-2``): ``rot(x) = cat([-x2, x1], -1)`` with the halves
+  taken by ``view(..., 2, -1).unbind(-2)``, by two slices or by ``chunk``;
+- Wan's strided form: the even and odd outputs written into ``empty_like(x)`` through ``slice_scatter`` with step 2,
+  from per-pair cos/sin;
+- complex multiplication: ``view_as_real(view_as_complex(x.view(..., -1, 2)) * freqs).flatten(-2)``.
+
+With and without fp32 upcast of the input; the fused op computes in fp32 and rounds once to the dtype of the
+replaced node.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..matcher import Cast, Lit, Op, OutCast, Var, val
+from .base import FusionPass, Rule, known_eq, same_shape, tensor_val
+
+aten = torch.ops.aten
+getitem = operator.getitem
+
+_X = Var("x")
+
+
+def _item(source, index):
+    return Op(getitem, source, index)
+
+
+# -- interleaved (Flux) ----------------------------------------------------------------------------------------
+_pairs = Op(aten.unbind.int, Op(aten.view.default, _X, Var("pair_shape")), Lit("pair_dim"), name="pairs")
+_rot_interleaved = Op(
+    aten.view.default,
+    Op(aten.stack.default, [Op(aten.neg.default, _item(_pairs, 1)), _item(_pairs, 0)], Lit("stack_dim")),
+    Var("rot_shape"),
+)
+
+
+def _rotary_sum(rotated):
+    """``x*cos + rotated*sin``, operands in either order; the rotated side is matched first (it binds x)."""
+    return OutCast(
+        Op(
+            aten.add.Tensor,
+            Op(aten.mul.Tensor, Cast(rotated), Var("sin"), commutative=True),
+            Op(aten.mul.Tensor, Cast(_X), Var("cos"), commutative=True),
+            commutative=True,
+        )
+    )
+
+
+# -- half-rotated ----------------------------------------------------------------------------------------------
+_halves_unbind = Op(aten.unbind.int, Op(aten.view.default, _X, Var("half_shape")), Lit("half_dim"), name="halves")
+_rot_half_unbind = Op(aten.cat.default, [Op(aten.neg.default, _item(_halves_unbind, 1)), _item(_halves_unbind, 0)], Lit("cat_dim"))
+_halves_split = Op(aten.split.Tensor, _X, Lit("split_size"), Lit("split_dim"), name="halves")
+_rot_half_split = Op(aten.cat.default, [Op(aten.neg.default, _item(_halves_split, 1)), _item(_halves_split, 0)], Lit("cat_dim"))
+_rot_half_slice = Op(
+    aten.cat.default,
+    [
+        Op(aten.neg.default, Op(aten.slice.Tensor, _X, Lit("hi_dim"), Lit("hi_start"), Lit("hi_end"))),
+        Op(aten.slice.Tensor, _X, Lit("lo_dim"), Lit("lo_start"), Lit("lo_end")),
+    ],
+    Lit("cat_dim"),
+)
+
+# -- Wan (strided writes into empty_like) ----------------------------------------------------------------------
+_even = Op(
+    aten.sub.Tensor,
+    Op(aten.mul.Tensor, _item(_pairs, 0), Var("cos"), commutative=True),
+    Op(aten.mul.Tensor, _item(_pairs, 1), Var("sin"), commutative=True),
+)
+_odd = Op(
+    aten.add.Tensor,
+    Op(aten.mul.Tensor, _item(_pairs, 0), Var("sin"), commutative=True),
+    Op(aten.mul.Tensor, _item(_pairs, 1), Var("cos"), commutative=True),
+    commutative=True,
+)
+
+
+def _strided_write(buffer, values, start):
+    return Op(
+        aten.slice_scatter.default,
+        buffer,
+        Op(aten.copy.default, Op(aten.slice.Tensor, buffer, Lit("w_dim"), start, Lit("w_end"), 2), values),
+        Lit("w_dim"), start, Lit("w_end"), 2,
+    )
+
+
+_empty = Op(aten.empty_like.default, _X, kwargs={"pin_memory": Var(), "memory_format": Var()})
+_wan_even_first = _strided_write(_strided_write(_empty, _even, 0), _odd, 1)
+_wan_odd_first = _strided_write(_strided_write(_empty, _odd, 1), _even, 0)
+
+# -- complex multiplication ------------------------------------------------------------------------------------
+_complex = OutCast(
+    Op(
+        aten.view.default,
+        Op(
+            aten.view_as_real.default,
+            Op(
+                aten.mul.Tensor,
+                Op(aten.view_as_complex.default, Op(aten.view.default, Cast(_X), Var("pair_shape"))),
+                Var("freqs"),
+                commutative=True,
+            ),
+        ),
+        Var("out_shape"),
+    )
+)
+
+
+def _norm_dim(dim, rank):
+    return dim + rank if isinstance(dim, int) and dim < 0 else dim
+
+
+def _x_info(m):
+    x = tensor_val(m["x"])
+    if x is None or x.dim() < 1 or not x.dtype.is_floating_point:
+        return None
+    d = x.shape[-1]
+    if not isinstance(d, int) or d % 2:
+        return None
+    return x, d
+
+
+def _pair_view_ok(m, x, d):
+    shape = m["pair_shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != x.dim() + 1 or shape[-1] != 2:
+        return False
+    if not same_shape(shape[:-2], x.shape[:-1]):
+        return False
+    return shape[-2] == -1 or known_eq(shape[-2], d // 2)
+
+
+def _emit(m, root, emit, interleaved, cos, sin):
+    out_dtype = tensor_val(root).dtype
+    for t in (cos, sin):
+        if tensor_val(t) is None:
+            return None
+    return emit(torch.ops.mindiesd.rope.default, m["x"], cos, sin, interleaved, out_dtype=out_dtype)
+
+
+def _build_interleaved(m, root, emit):
+    info = _x_info(m)
+    if info is None:
+        return None
+    x, d = info
+    rank = x.dim()
+    if not _pair_view_ok(m, x, d) or _norm_dim(m["pair_dim"], rank + 1) != rank:
+        return None
+    if _norm_dim(m["stack_dim"], rank + 1) != rank or not same_shape(m["rot_shape"], x.shape):
+        return None
+    return _emit(m, root, emit, True, m["cos"], m["sin"])
+
+
+def _halves_ok(m, x, d):
+    rank = x.dim()
+    if "half_shape" in m.bindings:
+        shape = m["half_shape"]
+        if not isinstance(shape, (list, tuple)) or len(shape) != rank + 1 or shape[-2] != 2:
+            return False
+        if not same_shape(shape[:-2], x.shape[:-1]) or not (shape[-1] == -1 or known_eq(shape[-1], d // 2)):
+            return False
+        return _norm_dim(m["half_dim"], rank + 1) == rank - 1
+    if "split_size" in m.bindings:
+        pieces = val(m["halves"])
+        return (m["split_size"] == d // 2 and _norm_dim(m["split_dim"], rank) == rank - 1
+                and isinstance(pieces, (list, tuple)) and len(pieces) == 2)
+    lo = (_norm_dim(m["lo_dim"], rank), m["lo_start"], min(m["lo_end"], d))
+    hi = (_norm_dim(m["hi_dim"], rank), m["hi_start"], min(m["hi_end"], d))
+    return lo == (rank - 1, 0, d // 2) and hi == (rank - 1, d // 2, d)
+
+
+def _build_half(m, root, emit):
+    info = _x_info(m)
+    if info is None:
+        return None
+    x, d = info
+    if _norm_dim(m["cat_dim"], x.dim()) != x.dim() - 1 or not _halves_ok(m, x, d):
+        return None
+    return _emit(m, root, emit, False, m["cos"], m["sin"])
+
+
+def _build_wan(m, root, emit):
+    info = _x_info(m)
+    if info is None:
+        return None
+    x, d = info
+    rank = x.dim()
+    if not _pair_view_ok(m, x, d) or _norm_dim(m["pair_dim"], rank + 1) != rank:
+        return None
+    if _norm_dim(m["w_dim"], rank) != rank - 1 or m["w_end"] < d:
+        return None
+    for name in ("cos", "sin"):
+        t = tensor_val(m[name])
+        if t is None or t.dim() == 0 or not (known_eq(t.shape[-1], d // 2) or known_eq(t.shape[-1], 1)):
+            return None
+    return _emit(m, root, emit, True, m["cos"], m["sin"])
+
+
+def _build_complex(m, root, emit):
+    info = _x_info(m)
+    if info is None:
+        return None
+    x, d = info
+    freqs = tensor_val(m["freqs"])
+    if freqs is None or not freqs.dtype.is_complex or freqs.dim() == 0:
+        return None
+    if not _pair_view_ok(m, x, d) or not same_shape(m["out_shape"], x.shape):
+        return None
+    if not (known_eq(freqs.shape[-1], d // 2) or known_eq(freqs.shape[-1], 1)):
+        return None
+    as_real = emit(aten.view_as_real.default, m["freqs"])
+    cos = emit(aten.select.int, as_real, -1, 0)
+    sin = emit(aten.select.int, as_real, -1, 1)
+    return _emit(m, root, emit, True, cos, sin)
+
+
+class RoPEPass(FusionPass):
+    family = "rope"
+    rules = (
+        Rule("interleaved", _rotary_sum(_rot_interleaved), _build_interleaved),
+        Rule("half_unbind", _rotary_sum(_rot_half_unbind), _build_half),
+        Rule("half_split", _rotary_sum(_rot_half_split), _build_half),
+        Rule("half_slice", _rotary_sum(_rot_half_slice), _build_half),
+        Rule("wan_even_first", OutCast(_wan_even_first), _build_wan),
+        Rule("wan_odd_first", OutCast(_wan_odd_first), _build_wan),
+        Rule("complex", _complex, _build_complex),
+    )

@@ -1,0 +1,85 @@
+"""What the backend did: one record per compiled graph, summed into matches per family."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from .config import FAMILY_SWITCHES
+
+__all__ = ["GraphRecord", "CompileReport", "fusion_report", "reset_fusion_report"]
+
+
+@dataclass
+class GraphRecord:
+    """One graph handed to the backend by Dynamo."""
+
+    graph_id: int
+    nodes_before: int = 0
+    nodes_after: int = 0
+    matches: Dict[str, int] = field(default_factory=dict)
+    folded_constants: int = 0
+    seconds: float = 0.0
+    fallback: Optional[str] = None  # why the unfused graph runs, if it does
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CompileReport:
+    """Records of the graphs a backend (or every backend) compiled so far."""
+
+    def __init__(self) -> None:
+        self._records: List[GraphRecord] = []
+        self._lock = threading.Lock()
+
+    def add(self, record: GraphRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    @property
+    def records(self) -> List[GraphRecord]:
+        with self._lock:
+            return list(self._records)
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def matches(self) -> Dict[str, int]:
+        """Fused ops inserted per family, over all graphs (every family listed, zero included)."""
+        total = {family: 0 for family in FAMILY_SWITCHES}
+        for record in self.records:
+            for family, count in record.matches.items():
+                total[family] = total.get(family, 0) + count
+        return total
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
+
+    @property
+    def fallbacks(self) -> List[str]:
+        return [r.fallback for r in self.records if r.fallback]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+    def __repr__(self) -> str:
+        return (f"CompileReport(graphs={self.graphs}, matches={self.matches}, "
+                f"compile_seconds={self.compile_seconds:.2f}, fallbacks={len(self.fallbacks)})")
+
+
+_GLOBAL = CompileReport()
+
+
+def fusion_report() -> CompileReport:
+    """The records of every MindieSD backend in this process."""
+    return _GLOBAL
+
+
+def reset_fusion_report() -> None:
+    _GLOBAL.clear()

@@ -1,0 +1,64 @@
+"""Compile a function with MindieSDBackend, count the fused ops in its final graphs, compare with eager."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from mindiesd.compilation import CompilationConfig, MindieSDBackend
+
+FAMILIES = ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add")
+
+#: (rtol, atol) per dtype: eager rounds after every op in bf16/fp16, the fused ops round once.
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 3e-2),
+    torch.float16: (3e-3, 3e-3),
+}
+
+
+def count_fused(backend: MindieSDBackend) -> Dict[str, int]:
+    """Calls of each torch.ops.mindiesd op in the final graphs the backend produced."""
+    counts: Counter = Counter()
+    for gm in backend.graphs:
+        for node in gm.graph.nodes:
+            target = node.target
+            if node.op == "call_function" and getattr(target, "namespace", None) == "mindiesd":
+                counts[target._opname] += 1
+    return {family: counts.get(family, 0) for family in FAMILIES}
+
+
+def run_compiled(
+    fn: Callable[..., Any],
+    *args: Any,
+    config: Optional[CompilationConfig] = None,
+    dynamic: Optional[bool] = False,
+    fullgraph: bool = True,
+) -> Tuple[Any, Any, Dict[str, int], MindieSDBackend]:
+    backend = MindieSDBackend(config, keep_graphs=True)
+    compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    with torch.no_grad():
+        expected = fn(*args)
+        actual = compiled(*args)
+    return actual, expected, count_fused(backend), backend
+
+
+def assert_close(actual: Any, expected: Any, dtype: Optional[torch.dtype] = None) -> None:
+    if isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_close(a, e, dtype)
+        return
+    if hasattr(expected, "to_tuple"):
+        return assert_close(actual.to_tuple(), expected.to_tuple(), dtype)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    rtol, atol = TOLERANCE[dtype or expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def only(family: str, n: int) -> Dict[str, int]:
+    """The expected counts: n of one family, none of the others."""
+    return {f: (n if f == family else 0) for f in FAMILIES}
