@@ -38,6 +38,13 @@ __all__ = ["MindieSDBackend", "MindieSDFallbackWarning"]
 
 _graph_ids = itertools.count()
 
+try:
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+
+    _DYNAMO_CONTROL_FLOW: tuple = (RestartAnalysis, SkipFrame)
+except ImportError:  # pragma: no cover - other torch versions
+    _DYNAMO_CONTROL_FLOW = ()
+
 
 class MindieSDFallbackWarning(UserWarning):
     """An internal failure made a graph run unfused; the message names the cause."""
@@ -79,6 +86,8 @@ class MindieSDBackend:
         try:
             compiled = self._compile(gm, example_inputs, record, graph_log)
             compiled = _FallbackOnError(compiled, gm.forward, record, self.config.strict)
+        except _DYNAMO_CONTROL_FLOW:
+            raise  # Dynamo's own signals (restart the analysis, skip the frame): not failures
         except Exception as exc:
             if self.config.strict:
                 raise
@@ -90,7 +99,7 @@ class MindieSDBackend:
         return wrap_for_capture(compiled, self.config)
 
     def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog):
-        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         config = self.config
         families = config.fusion_patterns.enabled_families() if config.fuse else ()
@@ -115,10 +124,10 @@ class MindieSDBackend:
             record.nodes_after = _node_count(target) + (_node_count(frozen.fold) if frozen is not None else 0)
             if self.keep_graphs:
                 self.graphs.append(target)
-            return frozen.bind(target.forward) if frozen is not None else target.forward
+            return make_boxed_func(frozen.bind(target.forward) if frozen is not None else target.forward)
 
         def backward_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
-            return aten_gm.forward
+            return make_boxed_func(aten_gm.forward)
 
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=inference_compiler, bw_compiler=backward_compiler,

@@ -54,7 +54,13 @@ def _is_bool(value: Any) -> bool:
 
 
 def _is_optional_path(value: Any) -> bool:
-    return value is None or isinstance(value, (str, os.PathLike))
+    """None, a path, or a file:// URL (the graph log is written to a local folder)."""
+    if value is None or isinstance(value, os.PathLike):
+        return True
+    if not isinstance(value, str):
+        return False
+    scheme = value.split("://", 1)[0].lower() if "://" in value else ""
+    return scheme in ("", "file")
 
 
 def _is_positive_int(value: Any) -> bool:

@@ -1,0 +1,296 @@
+"""The pipeline around the passes: switches, freezing, fallback, dynamic shapes, logging, training."""
+
+import json
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_utils import FAMILIES, assert_close, count_fused, only, run_compiled
+from mindiesd.compilation import (
+    CompilationConfig,
+    MindieSDBackend,
+    MindieSDFallbackWarning,
+    SettingTypeError,
+    fusion_report,
+)
+from mindiesd.compilation.passes import PASSES
+
+
+class AllFamilies(torch.nn.Module):
+    """One site of each family."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d, eps=1e-6)
+        self.ln = torch.nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.proj = torch.nn.Linear(d, d)
+        with torch.no_grad():
+            self.norm.weight.normal_()
+
+    def forward(self, x, cos, sin, scale, shift, gate):
+        h = self.norm(x)
+        x_even, x_odd = h.unflatten(-1, (-1, 2)).unbind(-1)
+        h = h * cos + torch.stack([-x_odd, x_even], -1).flatten(-2) * sin
+        h = self.ln(h) * (1 + scale) + shift
+        h = F.gelu(self.proj(h), approximate="tanh")
+        return x + gate * h
+
+
+def all_families_inputs(d=32, s=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g)
+    angles = r(s, d // 2)
+    cos = torch.cos(angles).repeat_interleave(2, -1)
+    sin = torch.sin(angles).repeat_interleave(2, -1)
+    return r(2, s, d), cos, sin, r(2, 1, d), r(2, 1, d), r(2, 1, d)
+
+
+def test_every_family_fires_once():
+    model = AllFamilies()
+    out, ref, counts, backend = run_compiled(model, *all_families_inputs())
+    assert counts == {f: 1 for f in FAMILIES}
+    assert backend.report().matches == counts
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_switch_removes_exactly_its_family(family):
+    switch = {"rms_norm": "enable_rms_norm", "rope": "enable_rope", "adalayernorm": "enable_adalayernorm",
+              "fast_gelu": "enable_fast_gelu", "mul_add": "enable_mul_add"}[family]
+    setattr(CompilationConfig.fusion_patterns, switch, False)
+    out, ref, counts, _ = run_compiled(AllFamilies(), *all_families_inputs())
+    expected = {f: (0 if f == family else 1) for f in FAMILIES}
+    if family in ("rope", "adalayernorm"):
+        # their sums are plain multiply-adds, which the mul_add pass then takes (correctly)
+        expected["mul_add"] = 2 if family == "rope" else 2
+    assert counts == expected
+    assert_close(out, ref)
+
+
+def test_all_switches_off_gives_no_fused_op():
+    for name in ("enable_rms_norm", "enable_rope", "enable_adalayernorm", "enable_fast_gelu", "enable_mul_add"):
+        setattr(CompilationConfig.fusion_patterns, name, False)
+    out, ref, counts, backend = run_compiled(AllFamilies(), *all_families_inputs())
+    assert counts == {f: 0 for f in FAMILIES}
+    assert_close(out, ref)
+
+
+def test_aclgraph_only_skips_fusion_and_with_compile_wins():
+    with pytest.warns(UserWarning, match="capture"):
+        _, _, counts, _ = run_compiled(AllFamilies(), *all_families_inputs(), config=CompilationConfig(aclgraph_only=True))
+    assert counts == {f: 0 for f in FAMILIES}
+    both = CompilationConfig(aclgraph_only=True, aclgraph_with_compile=True)
+    out, ref, counts, _ = run_compiled(AllFamilies(), *all_families_inputs(), config=both)
+    assert counts == {f: 1 for f in FAMILIES}
+    assert_close(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------- freezing
+def make_block_class(backend):
+    @torch.compile(backend=backend)
+    class Block(torch.nn.Module):
+        def __init__(self, d=16, seed=0):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.norm = torch.nn.RMSNorm(d)
+            self.lin = torch.nn.Linear(d, d)
+            self.register_buffer("freqs", torch.randn(d, generator=g))
+            with torch.no_grad():
+                self.norm.weight.copy_(torch.randn(d, generator=g))
+                self.lin.weight.copy_(torch.randn(d, d, generator=g))
+
+        def forward(self, x):
+            table = torch.cos(self.freqs * 2.0) + 1.0  # depends on a buffer alone: folded
+            return self.lin(self.norm(x)) * table
+
+    return Block
+
+
+def eager_block(block, x):
+    table = torch.cos(block.freqs * 2.0) + 1.0
+    return F.linear(F.rms_norm(x, [x.shape[-1]], block.norm.weight), block.lin.weight, block.lin.bias) * table
+
+
+def test_class_decorator_one_graph_serves_instances_with_their_own_weights():
+    backend = MindieSDBackend(keep_graphs=True)
+    Block = make_block_class(backend)
+    blocks = [Block(seed=i) for i in range(3)]
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for block in blocks:
+            torch.testing.assert_close(block(x), eager_block(block, x), rtol=1e-5, atol=1e-5)
+    assert backend.report().graphs == 1
+    assert backend.report().records[0].folded_constants >= 1
+    assert count_fused(backend)["rms_norm"] == 1
+
+
+@pytest.mark.parametrize("change", ["inplace_no_grad", "load_state_dict", "assign_data", "buffer_inplace"])
+def test_frozen_values_follow_weight_changes(change):
+    backend = MindieSDBackend()
+    block = make_block_class(backend)(seed=1)
+    donor = make_block_class(MindieSDBackend())(seed=7)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        before = block(x)
+        if change == "inplace_no_grad":
+            block.lin.weight.mul_(-2.0)
+        elif change == "load_state_dict":
+            block.load_state_dict(donor.state_dict())
+        elif change == "assign_data":
+            block.norm.weight.data = torch.randn(16)
+        else:
+            block.freqs.add_(1.0)
+        after = block(x)
+    torch.testing.assert_close(after, eager_block(block, x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_freezing_off_still_correct_and_folds_nothing():
+    CompilationConfig.enable_freezing = False
+    backend = MindieSDBackend()
+    block = make_block_class(backend)(seed=2)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), eager_block(block, x), rtol=1e-5, atol=1e-5)
+    assert backend.report().records[0].folded_constants == 0
+
+
+def test_forward_decorator_form():
+    backend = MindieSDBackend(keep_graphs=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(8)
+
+        @torch.compile(backend=backend)
+        def forward(self, x):
+            return F.gelu(self.norm(x), approximate="tanh")
+
+    block, x = Block(), torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), F.gelu(F.rms_norm(x, [8], block.norm.weight), approximate="tanh"))
+    assert count_fused(backend) == {**only("rms_norm", 1), "fast_gelu": 1}
+
+
+# ---------------------------------------------------------------------------------------------- robustness
+def test_failing_pass_warns_once_and_runs_unfused(monkeypatch):
+    def broken(self, gm):
+        raise RuntimeError("boom in a pass")
+
+    monkeypatch.setattr(PASSES["rope"], "__call__", broken)
+    model, inputs = AllFamilies(), all_families_inputs()
+    with pytest.warns(MindieSDFallbackWarning, match="boom in a pass") as record:
+        out, ref, counts, backend = run_compiled(model, *inputs)
+    assert len([w for w in record if issubclass(w.category, MindieSDFallbackWarning)]) == 1
+    assert counts == {f: 0 for f in FAMILIES}
+    assert "boom in a pass" in backend.report().fallbacks[0]
+    assert_close(out, ref)
+
+
+def test_strict_raises_instead(monkeypatch):
+    def broken(self, gm):
+        raise RuntimeError("boom in a pass")
+
+    monkeypatch.setattr(PASSES["rms_norm"], "__call__", broken)
+    with pytest.raises(Exception, match="boom in a pass"):
+        run_compiled(AllFamilies(), *all_families_inputs(), config=CompilationConfig(strict=True))
+
+
+def test_run_time_failure_falls_back_once(monkeypatch):
+    from mindiesd.compilation import freezing
+
+    def broken(self, args):
+        raise RuntimeError("boom at run time")
+
+    monkeypatch.setattr(freezing.FrozenGraph, "folded_for", broken)
+    backend = MindieSDBackend()
+    block = make_block_class(backend)(seed=3)
+    x = torch.randn(2, 16)
+    with torch.no_grad(), pytest.warns(MindieSDFallbackWarning, match="boom at run time"):
+        first = block(x)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        second = block(x)
+    torch.testing.assert_close(first, eager_block(block, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, first)
+
+
+def test_user_error_still_raises_like_eager():
+    model = AllFamilies()
+    compiled = torch.compile(model, backend=MindieSDBackend())
+    bad = list(all_families_inputs())
+    bad[1] = torch.randn(5, 7)  # cos that does not broadcast
+    with torch.no_grad(), pytest.raises(Exception):
+        compiled(*bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dynamic_shapes_compile_and_match(dtype):
+    model = AllFamilies().to(dtype)
+    backend = MindieSDBackend(keep_graphs=True)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for s in (6, 10, 13):
+            inputs = [t.to(dtype) for t in all_families_inputs(s=s, seed=s)]
+            assert_close(compiled(*inputs), model(*inputs))
+    assert backend.report().graphs == 1
+    assert not backend.report().fallbacks
+    assert sum(count_fused(backend).values()) >= 3
+
+
+def test_training_mode_keeps_gradients_right():
+    model = AllFamilies()
+    inputs = all_families_inputs()
+    compiled = torch.compile(model, backend=MindieSDBackend())
+    compiled(*inputs).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(*inputs).square().sum().backward()
+    for got, want in zip(grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- observability
+def test_info_log_has_one_line_per_graph_and_debug_shows_graphs(caplog):
+    with caplog.at_level(logging.DEBUG, logger="mindiesd.compilation"):
+        run_compiled(AllFamilies(), *all_families_inputs())
+    info = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(info) == 1
+    assert "rms_norm=1" in info[0].getMessage() and "nodes" in info[0].getMessage()
+    debug = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+    assert "pass rms_norm" in debug and "--- before ---" in debug and "mindiesd.rms_norm" in debug
+
+
+@pytest.mark.parametrize("as_url", [False, True])
+def test_graph_log_url_writes_each_pass(tmp_path, as_url):
+    folder = tmp_path / "log"
+    url = folder.as_uri() if as_url else str(folder)
+    run_compiled(AllFamilies(), *all_families_inputs(), config=CompilationConfig(graph_log_url=url))
+    graphs = sorted(folder.glob("graph_*"))
+    assert len(graphs) == 1
+    files = sorted(p.name for p in graphs[0].iterdir())
+    for family in FAMILIES:
+        assert any(name.endswith(f"{family}.before.txt") for name in files)
+        assert any(name.endswith(f"{family}.after.txt") for name in files)
+    after = next(graphs[0].glob("*_mul_add.after.txt")).read_text()
+    assert "mindiesd.rms_norm" in after
+    summary = json.loads((graphs[0] / "summary.json").read_text())
+    assert summary["matches"] == {f: 1 for f in FAMILIES}
+    assert (folder / "summary.txt").read_text().count("\n") == 1
+
+
+def test_graph_log_url_rejects_other_schemes():
+    with pytest.raises(SettingTypeError, match="file://"):
+        CompilationConfig.graph_log_url = "http://example.invalid/x"
+
+
+def test_global_fusion_report_accumulates():
+    before = fusion_report().graphs
+    run_compiled(AllFamilies(), *all_families_inputs())
+    assert fusion_report().graphs == before + 1
+    assert fusion_report().matches["rope"] >= 1
