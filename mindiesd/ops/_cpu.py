@@ -1,0 +1,278 @@
+"""CPU kernels: aten compositions that touch memory as few times as possible.
+
+On CPU these ops are bound by memory traffic and, above all, by fresh large
+allocations (first-touch page faults of a new 32 MiB buffer cost about ten
+times one pass of arithmetic over it), so each kernel allocates one output
+buffer where it can and finishes its work with in-place or ``out=`` ops.
+16-bit inputs are computed in float32 and rounded once, either inside an
+aten kernel that accumulates in float32 (layer_norm with float32 affine,
+gelu, addcmul) or through one float32 working buffer.
+Outputs are contiguous, as the fake kernels promise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+from ._rules import (
+    REDUCED_FLOAT_DTYPES,
+    adalayernorm_rules,
+    fast_gelu_rules,
+    mul_add_rules,
+    promote,
+    rms_norm_rules,
+    rope_rules,
+)
+
+# Batch slices up to which 16-bit adalayernorm runs one affine layer_norm per
+# slice instead of layer_norm on a float32 copy followed by a modulation.
+_MAX_AFFINE_SLICES = 16
+_COMPLEX_COMPUTE_DTYPES = (torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-dim tensor, so scalar arithmetic fuses into one addcmul."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def _working_copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous copy of ``x`` in ``dtype`` that may be overwritten."""
+    return x.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _finish(result: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return result if result.dtype == out_dtype else result.to(out_dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """One read for the statistics (vector_norm), then in-place scaling."""
+    out_dtype, work_dtype = rms_norm_rules(x, weight, out_dtype)
+    if x.dtype == work_dtype:
+        source = x
+        out = torch.empty(x.shape, dtype=work_dtype, device=x.device)
+    else:
+        source = out = _working_copy(x, work_dtype)
+    norm = torch.linalg.vector_norm(source, dim=-1, keepdim=True)
+    inv_rms = torch.addcmul(
+        _scalar_tensor(eps, work_dtype, x.device), norm, norm, value=1.0 / x.shape[-1]
+    ).rsqrt_()
+    if out is source:
+        out.mul_(inv_rms)
+    else:
+        torch.mul(source, inv_rms, out=out)
+    if weight is not None:
+        out.mul_(weight)
+    return _finish(out, out_dtype)
+
+
+def _pair_table(table: torch.Tensor, width: int) -> torch.Tensor | None:
+    """cos/sin as one value per interleaved pair, or None when not expressible.
+
+    A full-width table whose even and odd entries are equal (Flux builds them
+    with repeat_interleave) is equivalent to its even entries.
+    """
+    last = table.shape[-1]
+    if last == 1 or last == width // 2:
+        return table
+    even, odd = table[..., 0::2], table[..., 1::2]
+    return even if torch.equal(even, odd) else None
+
+
+def _complex_viewable(values: torch.Tensor) -> bool:
+    return (
+        values.dtype in _COMPLEX_COMPUTE_DTYPES
+        and values.stride(-1) == 1
+        and values.storage_offset() % 2 == 0
+        and all(stride % 2 == 0 for stride in values.stride()[:-1])
+    )
+
+
+def _full_width(table: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
+    last = table.shape[-1]
+    if last == width or last == 1:
+        return table
+    if interleaved:
+        return table.repeat_interleave(2, dim=-1)
+    return torch.cat((table, table), dim=-1)
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rotary embedding in one or three passes over one output buffer.
+
+    Interleaved with per-pair tables (or full-width ones whose pair entries
+    are equal, as Flux builds them): one complex multiply.  Otherwise one
+    multiply by cos and two addcmul_ of the partner halves with sin.
+    """
+    out_dtype, work_dtype = rope_rules(x, cos, sin, out_dtype)
+    width = x.shape[-1]
+    pair_shape = (width // 2, 2)
+    fresh = x.dtype != work_dtype
+    source = _working_copy(x, work_dtype) if fresh else x
+    cos = cos.to(work_dtype)
+    sin = sin.to(work_dtype)
+
+    if interleaved and _complex_viewable(source):
+        cos_pairs, sin_pairs = _pair_table(cos, width), _pair_table(sin, width)
+        if cos_pairs is not None and sin_pairs is not None:
+            rotation = torch.complex(cos_pairs, sin_pairs)
+            source_complex = torch.view_as_complex(source.unflatten(-1, pair_shape))
+            if fresh:
+                source_complex.mul_(rotation)
+                return _finish(source, out_dtype)
+            out = torch.empty(x.shape, dtype=work_dtype, device=x.device)
+            torch.mul(
+                source_complex, rotation, out=torch.view_as_complex(out.unflatten(-1, pair_shape))
+            )
+            return _finish(out, out_dtype)
+
+    cos = _full_width(cos, width, interleaved)
+    sin = _full_width(sin, width, interleaved)
+    if interleaved:
+        first, second = slice(0, None, 2), slice(1, None, 2)
+    else:
+        first, second = slice(0, width // 2), slice(width // 2, None)
+    sin_first = sin if sin.shape[-1] == 1 else sin[..., first]
+    sin_second = sin if sin.shape[-1] == 1 else sin[..., second]
+    out = torch.empty(x.shape, dtype=work_dtype, device=x.device)
+    torch.mul(source, cos, out=out)
+    out[..., first].addcmul_(source[..., second], sin_first, value=-1)
+    out[..., second].addcmul_(source[..., first], sin_second)
+    return _finish(out, out_dtype)
+
+
+def _modulated_leading_dims(x_shape: torch.Size, *shapes: torch.Size) -> int:
+    """Number of leading dims of x along which any of ``shapes`` varies.
+
+    Beyond them (up to the last dim) every modulation tensor is constant, so
+    each slice x[i0, ..., ip-1] sees a single [D] scale and shift.
+    """
+    rank = len(x_shape)
+    leading = 0
+    for shape in shapes:
+        aligned = (1,) * (rank - len(shape)) + tuple(shape)
+        for dim in range(rank - 1):
+            if aligned[dim] != 1:
+                leading = max(leading, dim + 1)
+    return leading
+
+
+def _rows(table: torch.Tensor, x_shape: torch.Size, leading: int) -> torch.Tensor:
+    """``table`` as [slices, D]: one row per slice of the ``leading`` dims of x."""
+    rank = len(x_shape)
+    aligned = table.reshape((1,) * (rank - table.dim()) + tuple(table.shape))
+    per_slice = aligned[(slice(None),) * leading + (0,) * (rank - 1 - leading)]
+    return per_slice.expand(*x_shape[:leading], x_shape[-1]).reshape(-1, x_shape[-1])
+
+
+def adalayernorm(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """layer_norm with (1 + scale, shift) as its affine where scale/shift allow it.
+
+    * scale/shift constant over all but the last dim: one affine layer_norm.
+    * 16-bit x varying over a few leading (batch) slices: one affine
+      layer_norm per slice, which rounds once without a float32 copy of x.
+    * otherwise: layer_norm, then one in-place addcmul.
+    """
+    out_dtype, work_dtype = adalayernorm_rules(x, scale, shift, out_dtype)
+    width = x.shape[-1]
+    leading = _modulated_leading_dims(x.shape, scale.shape, shift.shape)
+    slices = math.prod(x.shape[:leading])
+    # layer_norm accumulates 16-bit input in float32 against float32 affine
+    # parameters and rounds once, so such x needs no float32 working copy.
+    mixed_precision = (
+        x.dtype in REDUCED_FLOAT_DTYPES and work_dtype == torch.float32 and out_dtype == x.dtype
+    )
+
+    if slices == 1 or (mixed_precision and slices <= _MAX_AFFINE_SLICES):
+        source = x if (x.dtype == work_dtype or mixed_precision) else _working_copy(x, work_dtype)
+        weights = _rows(scale.to(work_dtype), x.shape, leading).add(1)
+        biases = _rows(shift.to(work_dtype), x.shape, leading)
+        if slices == 1:
+            out = F.layer_norm(source, (width,), weights[0], biases[0], eps)
+            return _finish(out.contiguous(), out_dtype)
+        source_slices = source.reshape(slices, *x.shape[leading:])
+        parts = [
+            F.layer_norm(source_slices[index], (width,), weights[index], biases[index], eps)
+            for index in range(slices)
+        ]
+        return _finish(torch.stack(parts).view(x.shape), out_dtype)
+
+    source = x if x.dtype == work_dtype else _working_copy(x, work_dtype)
+    out = F.layer_norm(source, (width,), None, None, eps).contiguous()
+    torch.addcmul(shift.to(work_dtype), out, scale.to(work_dtype).add(1), out=out)
+    return _finish(out, out_dtype)
+
+
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    """aten's tanh GELU kernel (computes 16-bit input in float32 internally)."""
+    out_dtype, _ = fast_gelu_rules(x)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    return torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
+
+
+def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """One addcmul kernel; 16-bit math runs in float32 inside it.
+
+    addcmul broadcasts by itself, which is much cheaper per call than
+    computing the shape in Python; the shared rules only run to explain a
+    failure.  Mixed dtypes are cast to the promoted dtype first, because
+    addcmul's own promotion lets 0-dim tensors keep a lower dtype.
+    """
+    if not (x.dtype == y.dtype == z.dtype):
+        out_dtype = promote(x.dtype, y.dtype, z.dtype)
+        x, y, z = x.to(out_dtype), y.to(out_dtype), z.to(out_dtype)
+    if x.dtype == torch.bool:
+        return reference.mul_add(x, y, z)
+    try:
+        out = torch.addcmul(z, x, y)
+    except RuntimeError:
+        mul_add_rules(x, y, z)
+        raise
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _without_autograd(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Run ``kernel`` with grad mode off.
+
+    The ops have no autograd formula; a direct call on tensors that require
+    grad would otherwise fail inside the ``out=`` ops.  This makes the CPU
+    kernel behave like the reference kernel does on other devices.
+    """
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return kernel(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return run
+
+
+KERNELS = {
+    "rms_norm": _without_autograd(rms_norm),
+    "rope": _without_autograd(rope),
+    "adalayernorm": _without_autograd(adalayernorm),
+    "fast_gelu": _without_autograd(fast_gelu),
+    "mul_add": _without_autograd(mul_add),
+}

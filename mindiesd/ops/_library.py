@@ -1,0 +1,149 @@
+"""Registration of the ``mindiesd`` operators with the PyTorch dispatcher.
+
+The ops are defined with ``torch.library.Library`` (lower per-call overhead
+than ``torch.library.custom_op``).  Every op gets
+
+* the reference composition under ``CompositeExplicitAutograd`` (any device),
+* a fake kernel (shape/dtype only, symbolic-shape safe) for tracing,
+* a device kernel for each device type listed in ``DEVICE_KERNELS``.
+
+Device kernels for other backends are added by putting them in
+``DEVICE_KERNELS`` before registration, or at run time with
+``register_device_kernel``.  The ops have no autograd kernel: the Python API
+in ``mindiesd.ops`` runs the reference composition when a gradient is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import _cpu, reference
+from ._rules import (
+    adalayernorm_rules,
+    fast_gelu_rules,
+    mul_add_rules,
+    rms_norm_rules,
+    rope_rules,
+)
+
+NAMESPACE = "mindiesd"
+
+SCHEMAS: dict[str, str] = {
+    "rms_norm": "rms_norm(Tensor x, Tensor? weight, float eps, ScalarType? out_dtype=None) -> Tensor",
+    "rope": "rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
+    "adalayernorm": "adalayernorm(Tensor x, Tensor scale, Tensor shift, float eps, ScalarType? out_dtype=None) -> Tensor",
+    "fast_gelu": "fast_gelu(Tensor x) -> Tensor",
+    "mul_add": "mul_add(Tensor x, Tensor y, Tensor z) -> Tensor",
+}
+
+REFERENCE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    "rms_norm": reference.rms_norm,
+    "rope": reference.rope,
+    "adalayernorm": reference.adalayernorm,
+    "fast_gelu": reference.fast_gelu,
+    "mul_add": reference.mul_add,
+}
+
+# Device type -> {op name -> kernel}.  Kernels take the op's schema arguments
+# positionally and must return a contiguous tensor, as the fakes promise.
+# "cuda" (Triton) and "npu" (torch_npu) kernels belong here.
+DEVICE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = globals().get(
+    "DEVICE_KERNELS", {"cpu": dict(_cpu.KERNELS)}
+)
+
+# Device type -> dispatch key its kernels are registered under.
+DISPATCH_KEYS: dict[str, str] = {
+    "cpu": "CPU",
+    "cuda": "CUDA",
+    "npu": "PrivateUse1",
+}
+
+
+def _fake_rms_norm(x, weight, eps, out_dtype=None):
+    out_dtype, _ = rms_norm_rules(x, weight, out_dtype)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _fake_rope(x, cos, sin, interleaved, out_dtype=None):
+    out_dtype, _ = rope_rules(x, cos, sin, out_dtype)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _fake_adalayernorm(x, scale, shift, eps, out_dtype=None):
+    out_dtype, _ = adalayernorm_rules(x, scale, shift, out_dtype)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _fake_fast_gelu(x):
+    out_dtype, _ = fast_gelu_rules(x)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _fake_mul_add(x, y, z):
+    shape, out_dtype, _ = mul_add_rules(x, y, z)
+    return x.new_empty(shape, dtype=out_dtype)
+
+
+FAKE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    "rms_norm": _fake_rms_norm,
+    "rope": _fake_rope,
+    "adalayernorm": _fake_adalayernorm,
+    "fast_gelu": _fake_fast_gelu,
+    "mul_add": _fake_mul_add,
+}
+
+
+def _dispatch_key(device_type: str) -> str:
+    try:
+        return DISPATCH_KEYS[device_type]
+    except KeyError:
+        raise ValueError(
+            f"mindiesd.ops: no dispatch key known for device type {device_type!r}; "
+            f"known: {sorted(DISPATCH_KEYS)}"
+        ) from None
+
+
+def _ops_defined() -> bool:
+    namespace = getattr(torch.ops, NAMESPACE)
+    return all(hasattr(namespace, name) for name in SCHEMAS)
+
+
+def _define_all() -> torch.library.Library:
+    library = torch.library.Library(NAMESPACE, "DEF")
+    for name, schema in SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, REFERENCE_KERNELS[name], "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", FAKE_KERNELS[name], lib=library)
+    for device_type, kernels in DEVICE_KERNELS.items():
+        for name, kernel in kernels.items():
+            library.impl(name, kernel, _dispatch_key(device_type))
+    return library
+
+
+def register_device_kernel(
+    name: str, device_type: str, kernel: Callable[..., torch.Tensor]
+) -> None:
+    """Register ``kernel`` as the implementation of op ``name`` on ``device_type``.
+
+    For backends whose kernels are only importable at run time (Triton,
+    torch_npu).  The kernel takes the schema arguments positionally and
+    returns a contiguous tensor.
+    """
+    if name not in SCHEMAS:
+        raise ValueError(f"mindiesd.ops: unknown operator {name!r}; known: {sorted(SCHEMAS)}")
+    LIBRARY.impl(name, kernel, _dispatch_key(device_type))
+    DEVICE_KERNELS.setdefault(device_type, {})[name] = kernel
+
+
+# Registration runs once per process.  importlib.reload keeps the module
+# globals, so the existing handle is reused.  If a second copy of this module
+# is imported (sys.modules entry removed), the ops stay registered: the
+# dispatcher keeps the first copy's fake kernels, hence its globals and its
+# Library handle, alive; the copy then only gets a fragment for new kernels.
+if "LIBRARY" not in globals():
+    if _ops_defined():
+        LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+    else:
+        LIBRARY = _define_all()
