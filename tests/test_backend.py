@@ -80,6 +80,9 @@ def test_all_switches_off_gives_no_fused_op():
 
 
 def test_aclgraph_only_skips_fusion_and_with_compile_wins():
+    from mindiesd.compilation import device_graph
+
+    device_graph._warned_unavailable.clear()
     with pytest.warns(UserWarning, match="capture"):
         _, _, counts, _ = run_compiled(AllFamilies(), *all_families_inputs(), config=CompilationConfig(aclgraph_only=True))
     assert counts == {f: 0 for f in FAMILIES}

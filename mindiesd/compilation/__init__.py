@@ -19,7 +19,13 @@ from .config import (
     SettingTypeError,
     UnknownSettingError,
 )
-from .device_graph import DeviceGraphUnavailableWarning
+from .device_graph import (
+    DeviceGraphCaptureWarning,
+    DeviceGraphRunner,
+    DeviceGraphUnavailableWarning,
+    SimulatedGraphAdapter,
+    register_adapter,
+)
 from .freezing import clear_frozen_caches
 from .report import CompileReport, GraphRecord, fusion_report, reset_fusion_report
 
@@ -32,6 +38,10 @@ __all__ = [
     "SettingTypeError",
     "MindieSDFallbackWarning",
     "DeviceGraphUnavailableWarning",
+    "DeviceGraphCaptureWarning",
+    "DeviceGraphRunner",
+    "SimulatedGraphAdapter",
+    "register_adapter",
     "CompileReport",
     "GraphRecord",
     "fusion_report",

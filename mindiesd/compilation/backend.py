@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .config import CompilationConfig
-from .device_graph import wrap_for_capture
+from .device_graph import DeviceGraphRunner, wrap_for_capture
 from .freezing import split_constants
 from .graph_log import GraphLog, resolve_log_dir
 from .pass_manager import PassManager
@@ -74,6 +74,7 @@ class MindieSDBackend:
         self._report = CompileReport()
         self.keep_graphs = keep_graphs
         self.graphs: List[GraphModule] = []
+        self.runners: List[DeviceGraphRunner] = []  # one per compiled graph when capture is on
 
     def report(self) -> CompileReport:
         """Matches per family, graphs compiled and compile seconds, for this backend."""
@@ -94,9 +95,15 @@ class MindieSDBackend:
             record.fallback = f"{type(exc).__name__}: {exc}"
             _warn_fallback(f"compiling graph {record.graph_id} failed ({record.fallback})")
             compiled = gm.forward
+        compiled = wrap_for_capture(
+            compiled, self.config, example_inputs, [i for i, t in enumerate(example_inputs) if _is_weight(t)],
+            label=f"graph {record.graph_id}",
+        )
+        if isinstance(compiled, DeviceGraphRunner):
+            self.runners.append(compiled)
         record.seconds = time.perf_counter() - start
         self._finish(record, graph_log)
-        return wrap_for_capture(compiled, self.config)
+        return compiled
 
     def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func

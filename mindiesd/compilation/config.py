@@ -156,6 +156,10 @@ _FIELDS: Dict[str, _Field] = {
     "aclgraph_with_compile": _Field(
         False, _is_bool, "a bool", "Apply pattern fusion, then capture the result as a device graph.",
     ),
+    "aclgraph_max_graphs": _Field(
+        16, _is_positive_int, "a positive int",
+        "Captured graphs kept per compiled graph (one per input signature); the least recently used is evicted.",
+    ),
     "enable_freezing": _Field(
         True, _is_bool, "a bool",
         "Treat parameters and buffers as constants and fold the computations that depend on them alone. The folded "
@@ -204,6 +208,7 @@ class CompilationConfig(metaclass=_ConfigMeta):
     - ``fusion_patterns``: the five ``enable_*`` switches (:class:`FusionPatterns`), all ``True``.
     - ``aclgraph_only`` (``False``): device-graph capture without pattern fusion.
     - ``aclgraph_with_compile`` (``False``): pattern fusion, then device-graph capture; wins over ``aclgraph_only``.
+    - ``aclgraph_max_graphs`` (``16``): captures kept per compiled graph, least recently used evicted.
     - ``enable_freezing`` (``True``): constant folding of what depends on weights alone.
     - ``safe_output_mode`` (``True``): clone the outputs of each device-graph replay.
     - ``graph_log_url`` (``None``): folder for the log of graph transforms.
@@ -213,6 +218,7 @@ class CompilationConfig(metaclass=_ConfigMeta):
     fusion_patterns: FusionPatterns = FusionPatterns()
     aclgraph_only: bool = False
     aclgraph_with_compile: bool = False
+    aclgraph_max_graphs: int = 16
     enable_freezing: bool = True
     safe_output_mode: bool = True
     graph_log_url: Any = None

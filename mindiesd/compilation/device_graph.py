@@ -1,36 +1,347 @@
-"""The device-graph runner's place in the pipeline (ACLGraph on Ascend, CUDA graphs on NVIDIA).
+"""Device-graph capture and replay (ACLGraph on Ascend, CUDA graphs on NVIDIA).
 
-:func:`wrap_for_capture` receives the final callable of a compiled graph and returns what Dynamo will call.
-Capture itself (static buffers, per-signature cache, replay) is not implemented yet: when a configuration asks
-for it, one warning says so and the compiled graph runs uncaptured, or ``strict`` raises.
+:class:`DeviceGraphRunner` wraps the final callable of a compiled graph. Per input signature (shapes, strides,
+dtypes, devices and non-tensor values of the activations, plus the addresses of the weights) it captures once
+and replays afterwards::
+
+    new signature ──> warm-up on a side stream ──> capture into the shared pool ──> replay
+    known signature ──> copy activations into the static buffers ──> replay
+    weights changed in place since the capture ──> capture again (never replays stale folded weights)
+
+Only activations are copied on replay. Parameters, buffers and folded constants are read where they are: their
+addresses are part of the signature, so a compiled graph serving several module instances keeps one capture per
+instance, and a weight moved to new storage (``param.data = ...``) selects (or makes) another capture.
+
+The number of captures kept is bounded by ``aclgraph_max_graphs``; the least recently used is evicted, and the
+log says so. All captures of a device share one memory pool. Calls are serialised by a lock, so two threads can
+share a compiled module; with ``safe_output_mode=False`` the returned tensors are the static outputs, which the
+next replay of the same capture overwrites (by any thread): clone what you keep.
+
+Where no device graph exists (CPU tensors, no CUDA, no torch_npu) one warning says so and the compiled graph
+runs uncaptured; ``strict`` raises instead. A capture that fails (an op that syncs with the host, say) makes
+that signature run uncaptured, with a warning naming the cause.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 import warnings
-from typing import Any, Callable
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
 
 from .config import CompilationConfig
 
-__all__ = ["wrap_for_capture", "DeviceGraphUnavailableWarning"]
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = [
+    "DeviceGraphRunner",
+    "DeviceGraphUnavailableWarning",
+    "DeviceGraphCaptureWarning",
+    "StreamGraphAdapter",
+    "SimulatedGraphAdapter",
+    "register_adapter",
+    "adapter_for",
+    "wrap_for_capture",
+    "WARMUP_RUNS",
+]
+
+#: Eager runs on a side stream before each capture (lazy initialisation, autotuning, folded weights).
+WARMUP_RUNS = 1
 
 
 class DeviceGraphUnavailableWarning(UserWarning):
-    """Device-graph capture was asked for but cannot happen; the graph runs uncaptured."""
+    """Device-graph capture was asked for but the device has none; the graph runs uncaptured."""
 
 
-_warned = False
+class DeviceGraphCaptureWarning(UserWarning):
+    """A capture failed; that input signature runs uncaptured."""
 
 
-def wrap_for_capture(fn: Callable[..., Any], config: CompilationConfig) -> Callable[..., Any]:
-    global _warned
+# ---------------------------------------------------------------------------------------------- adapters
+class StreamGraphAdapter:
+    """Capture through a torch device module with CUDA-graph semantics (``torch.cuda``, ``torch.npu``).
+
+    The capture skips the garbage collection and cache emptying that ``torch.cuda.graph()`` does on entry:
+    captures happen while the model is being served, and both would stall it.
+    """
+
+    def __init__(self, module: Any, graph_class: Any, device: torch.device):
+        self.module, self.graph_class, self.device = module, graph_class, device
+        self.name = device.type
+        self._pool = None
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], warmup: int) -> Tuple[Any, Any]:
+        module = self.module
+        current = module.current_stream(self.device)
+        side = module.Stream(self.device)
+        side.wait_stream(current)
+        with module.stream(side):
+            for _ in range(warmup):
+                fn(*args)
+        current.wait_stream(side)
+        module.synchronize(self.device)
+        if self._pool is None:
+            self._pool = module.graph_pool_handle()
+        graph = self.graph_class()
+        with module.stream(side):
+            graph.capture_begin(pool=self._pool)
+            try:
+                outputs = fn(*args)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return graph, outputs
+
+
+class _SimulatedGraph:
+    def __init__(self, adapter: "SimulatedGraphAdapter", fn: Callable[..., Any], args: Sequence[Any], outputs: Any):
+        self.adapter, self.fn, self.args, self.outputs = adapter, fn, list(args), outputs
+
+    def replay(self) -> None:
+        self.adapter.replays += 1
+        fresh = self.fn(*self.args)
+        for static, new in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(fresh)):
+            if isinstance(static, torch.Tensor):
+                static.copy_(new)
+
+
+class SimulatedGraphAdapter:
+    """A stand-in device graph for CPU: "capture" records the callable and its static buffers, "replay" runs it
+    on those buffers and writes the results into the static outputs, as a real replay would. For tests and
+    for dry-running the capture logic on a machine without a device."""
+
+    name = "simulated"
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+        self.warmups = 0
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], warmup: int) -> Tuple[Any, Any]:
+        for _ in range(warmup):
+            self.warmups += 1
+            fn(*args)
+        self.captures += 1
+        outputs = fn(*args)
+        return _SimulatedGraph(self, fn, args, outputs), outputs
+
+
+AdapterFactory = Callable[[torch.device], Optional[Any]]
+_adapter_factories: Dict[str, AdapterFactory] = {}
+_adapters: Dict[Tuple[str, Optional[int]], Any] = {}
+_adapters_lock = threading.Lock()
+
+
+def register_adapter(device_type: str, factory: Optional[AdapterFactory]) -> None:
+    """Use ``factory(device)`` to make the adapter of ``device_type`` (None restores the built-in choice)."""
+    with _adapters_lock:
+        if factory is None:
+            _adapter_factories.pop(device_type, None)
+        else:
+            _adapter_factories[device_type] = factory
+        for key in [k for k in _adapters if k[0] == device_type]:
+            del _adapters[key]
+
+
+def _builtin_adapter(device: torch.device) -> Optional[Any]:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return StreamGraphAdapter(torch.cuda, torch.cuda.CUDAGraph, device)
+    if device.type == "npu":
+        npu = getattr(torch, "npu", None)
+        if npu is not None and hasattr(npu, "NPUGraph"):
+            return StreamGraphAdapter(npu, npu.NPUGraph, device)
+    return None
+
+
+def adapter_for(device: torch.device) -> Optional[Any]:
+    """The (shared) adapter of a device, or None where the device has no device graph."""
+    key = (device.type, device.index)
+    with _adapters_lock:
+        if key not in _adapters:
+            factory = _adapter_factories.get(device.type, _builtin_adapter)
+            _adapters[key] = factory(device)
+        return _adapters[key]
+
+
+# ---------------------------------------------------------------------------------------------- runner
+def _tensor_signature(t: torch.Tensor) -> Tuple[Any, ...]:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+@dataclass
+class _Capture:
+    graph: Any
+    static_inputs: List[Any]
+    outputs: Any
+    weight_versions: Tuple[int, ...]
+    signature: Tuple[Any, ...]
+
+
+@dataclass
+class RunnerStats:
+    """What a runner did: for tests, benchmarks and the log."""
+
+    captures: int = 0
+    replays: int = 0
+    evictions: int = 0
+    recaptures: int = 0
+    failed_captures: int = 0
+    uncaptured_calls: int = 0
+    bytes_copied: int = 0
+
+
+class DeviceGraphRunner:
+    """Captures ``fn`` once per input signature and replays it.
+
+    ``weight_indices`` are the positions of parameters, buffers and other inputs whose storage stays put
+    between calls: they are never copied, only checked.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        adapter: Any,
+        weight_indices: Sequence[int],
+        max_graphs: int,
+        safe_outputs: bool,
+        label: str = "graph",
+        warmup: int = WARMUP_RUNS,
+    ):
+        self.fn, self.adapter, self.label, self.warmup = fn, adapter, label, warmup
+        self.weight_indices = tuple(weight_indices)
+        self.max_graphs, self.safe_outputs = max_graphs, safe_outputs
+        self.stats = RunnerStats()
+        self._captures: "OrderedDict[Tuple[Any, ...], _Capture]" = OrderedDict()
+        self._uncapturable: set = set()
+        self._lock = threading.RLock()
+        self._weight_set = frozenset(self.weight_indices)
+
+    def __call__(self, *args: Any) -> Any:
+        signature = self.signature(args)
+        with self._lock:
+            capture = self._captures.get(signature)
+            if capture is not None and capture.weight_versions != self._weight_versions(args):
+                log.info("%s: a weight changed in place since its capture; capturing again", self.label)
+                del self._captures[signature]
+                self.stats.recaptures += 1
+                capture = None
+            if capture is None:
+                if signature in self._uncapturable:
+                    self.stats.uncaptured_calls += 1
+                    return self.fn(*args)
+                capture = self._capture(signature, args)
+                if capture is None:
+                    self.stats.uncaptured_calls += 1
+                    return self.fn(*args)
+            else:
+                self._captures.move_to_end(signature)
+                self._load(capture, args)
+            capture.graph.replay()
+            self.stats.replays += 1
+            outputs = capture.outputs
+            if self.safe_outputs:
+                outputs = pytree.tree_map_only(torch.Tensor, torch.clone, outputs)
+            return outputs
+
+    def signature(self, args: Sequence[Any]) -> Tuple[Any, ...]:
+        """Activations by shape, strides, dtype and device; weights by address; other values as they are."""
+        parts = []
+        weights = self._weight_set
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                parts.append((a.data_ptr(), a.dtype, a.device) if i in weights else _tensor_signature(a))
+            else:
+                parts.append(a)
+        return tuple(parts)
+
+    def _weight_versions(self, args: Sequence[Any]) -> Tuple[int, ...]:
+        return tuple(args[i]._version for i in self.weight_indices if isinstance(args[i], torch.Tensor))
+
+    def _load(self, capture: _Capture, args: Sequence[Any]) -> None:
+        copied = 0
+        for i, (static, arg) in enumerate(zip(capture.static_inputs, args)):
+            if i in self._weight_set or not isinstance(arg, torch.Tensor) or static is arg:
+                continue
+            if static.data_ptr() != arg.data_ptr():
+                static.copy_(arg)
+                copied += arg.nbytes
+        self.stats.bytes_copied += copied
+
+    def _capture(self, signature: Tuple[Any, ...], args: Sequence[Any]) -> Optional[_Capture]:
+        static_inputs = [
+            a if (i in self._weight_set or not isinstance(a, torch.Tensor))
+            else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+            for i, a in enumerate(args)
+        ]
+        self.stats.bytes_copied += sum(
+            a.nbytes for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self._weight_set
+        )
+        start = time.perf_counter()
+        try:
+            graph, outputs = self.adapter.capture(self.fn, static_inputs, self.warmup)
+        except Exception as exc:
+            self._uncapturable.add(signature)
+            self.stats.failed_captures += 1
+            warnings.warn(
+                f"mindiesd: capturing {self.label} as a device graph failed ({type(exc).__name__}: {exc}); "
+                "this input signature runs uncaptured", DeviceGraphCaptureWarning, stacklevel=3,
+            )
+            return None
+        capture = _Capture(graph, static_inputs, outputs, self._weight_versions(args), signature)
+        self._captures[signature] = capture
+        self.stats.captures += 1
+        log.info("%s: captured signature %d as a %s graph in %.2f s (%d kept)", self.label, self.stats.captures,
+                 self.adapter.name, time.perf_counter() - start, len(self._captures))
+        while len(self._captures) > self.max_graphs:
+            evicted_signature, _ = self._captures.popitem(last=False)
+            self.stats.evictions += 1
+            log.info("%s: evicted the least recently used capture (aclgraph_max_graphs=%d)", self.label,
+                     self.max_graphs)
+        return capture
+
+    def clear(self) -> None:
+        with self._lock:
+            self._captures.clear()
+            self._uncapturable.clear()
+
+
+# ---------------------------------------------------------------------------------------------- entry
+_warned_unavailable: set = set()
+
+
+def _device_of(example_inputs: Sequence[Any]) -> Optional[torch.device]:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return t.device
+    return None
+
+
+def wrap_for_capture(
+    fn: Callable[..., Any],
+    config: CompilationConfig,
+    example_inputs: Sequence[Any] = (),
+    weight_indices: Sequence[int] = (),
+    label: str = "graph",
+) -> Callable[..., Any]:
+    """``fn`` behind a :class:`DeviceGraphRunner` when the settings ask for capture and the device has one."""
     if not config.capture:
         return fn
-    message = ("mindiesd: device-graph capture (aclgraph_only / aclgraph_with_compile) is not available in this "
-               "version; the compiled graph runs uncaptured")
-    if config.strict:
-        raise RuntimeError(message)
-    if not _warned:
-        warnings.warn(message, DeviceGraphUnavailableWarning, stacklevel=2)
-        _warned = True
-    return fn
+    device = _device_of(example_inputs)
+    adapter = adapter_for(device) if device is not None else None
+    if adapter is None:
+        where = device.type if device is not None else "this graph (no tensor input)"
+        message = (f"mindiesd: device-graph capture (aclgraph_only / aclgraph_with_compile) is unavailable on "
+                   f"{where}; the compiled graph runs uncaptured")
+        if config.strict:
+            raise RuntimeError(message)
+        if where not in _warned_unavailable:
+            _warned_unavailable.add(where)
+            warnings.warn(message, DeviceGraphUnavailableWarning, stacklevel=2)
+        return fn
+    return DeviceGraphRunner(fn, adapter, weight_indices, config.aclgraph_max_graphs, config.safe_output_mode, label)

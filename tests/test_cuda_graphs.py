@@ -1,0 +1,145 @@
+"""Device graphs on a real NVIDIA GPU (skipped without one), and the stream adapter against a stand-in module."""
+
+import contextlib
+import gc
+import statistics
+import time
+
+import pytest
+import torch
+
+from mindiesd.compilation import CompilationConfig, MindieSDBackend
+from mindiesd.compilation.device_graph import StreamGraphAdapter
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+class _FakeStream:
+    def __init__(self, device=None):
+        self.waits = 0
+
+    def wait_stream(self, other):
+        self.waits += 1
+
+
+class _FakeDeviceModule:
+    """Records the calls a capture makes: the order of warm-up, capture and the pool used."""
+
+    def __init__(self):
+        self.events, self.pools = [], []
+        self._current = _FakeStream()
+        module = self
+
+        class Graph:
+            def capture_begin(self, pool=None):
+                module.events.append("capture_begin")
+                module.pools.append(pool)
+
+            def capture_end(self):
+                module.events.append("capture_end")
+
+            def replay(self):
+                module.events.append("replay")
+
+        self.Graph = Graph
+
+    Stream = _FakeStream
+
+    def current_stream(self, device=None):
+        return self._current
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        self.events.append("side_stream")
+        yield
+
+    def synchronize(self, device=None):
+        self.events.append("synchronize")
+
+    def graph_pool_handle(self):
+        self.events.append("new_pool")
+        return object()
+
+
+def test_stream_adapter_warms_up_then_captures_into_one_shared_pool(monkeypatch):
+    module = _FakeDeviceModule()
+    adapter = StreamGraphAdapter(module, module.Graph, torch.device("cpu"))
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1))
+    calls = []
+
+    def fn(x):
+        calls.append(module.events[-1])
+        return x + 1
+
+    for _ in range(2):
+        graph, out = adapter.capture(fn, [torch.zeros(2)], warmup=1)
+    assert calls == ["side_stream", "capture_begin", "side_stream", "capture_begin"]
+    assert module.events.count("new_pool") == 1 and module.pools[0] is module.pools[1]
+    assert not collected, "no garbage collection around a capture"
+
+
+def _tiny_flux(device):
+    from mindiesd import zoo
+
+    return zoo.build("flux", "tiny", dtype=torch.float32, device=device)
+
+
+@cuda
+def test_tiny_flux_captured_equals_uncaptured():
+    case = _tiny_flux("cuda")
+    plain = torch.compile(case.model, backend=MindieSDBackend())
+    backend = MindieSDBackend(CompilationConfig(aclgraph_with_compile=True))
+    graphed = torch.compile(case.model, backend=backend)
+    with torch.no_grad():
+        expected = plain(**case.inputs)[0]
+        torch._dynamo.reset()
+        for _ in range(3):
+            out = graphed(**case.inputs)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert backend.runners and backend.runners[0].stats.captures == 1 and backend.runners[0].stats.replays == 3
+
+
+def _median_ms(fn, reps=50):
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@cuda
+def test_replay_beats_eager_when_launch_bound():
+    layers = []
+    for _ in range(24):
+        layers += [torch.nn.Linear(64, 64), torch.nn.RMSNorm(64), torch.nn.GELU(approximate="tanh")]
+    model = torch.nn.Sequential(*layers).cuda()
+    x = torch.randn(1, 64, device="cuda")
+    graphed = torch.compile(model, backend=MindieSDBackend(CompilationConfig(aclgraph_with_compile=True)))
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(x)
+        eager_ms = _median_ms(lambda: model(x))
+        replay_ms = _median_ms(lambda: graphed(x))
+    assert replay_ms < eager_ms, (replay_ms, eager_ms)
+
+
+@cuda
+def test_memory_is_bounded_by_max_graphs():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(1024, 256)).cuda()
+    backend = MindieSDBackend(CompilationConfig(aclgraph_with_compile=True, aclgraph_max_graphs=2))
+    graphed = torch.compile(model, backend=backend, dynamic=True)  # one graph; one capture per shape
+    with torch.no_grad():
+        for rows in (512, 1024):
+            graphed(torch.randn(rows, 256, device="cuda"))
+        torch.cuda.synchronize()
+        after_two = torch.cuda.memory_allocated()
+        for rows in (1536, 2048, 512, 1024, 1536, 2048):
+            graphed(torch.randn(rows, 256, device="cuda"))
+        torch.cuda.synchronize()
+    assert len(backend.runners) == 1
+    assert len(backend.runners[0]._captures) == 2 and backend.runners[0].stats.evictions == 6
+    assert torch.cuda.memory_allocated() < after_two + 64 * 2**20
