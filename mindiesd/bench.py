@@ -1,0 +1,505 @@
+"""``mindiesd bench``: compile zoo models with the MindieSD backend and measure them.
+
+For each model the bench reports how many fused ops of each family the backend
+inserted, the numerical error against eager, the cold compile time and the
+steady-state latency of eager and compiled forwards (optionally also Inductor's).
+Eager and compiled calls are interleaved in one timing loop and medians are
+reported, because CPU timings drift by tens of percent over a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+import torch
+import torch._dynamo
+
+from . import zoo
+
+FAMILIES = ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_ITERS = {"tiny": 20, "mid": 5}
+DEFAULT_WARMUP = {"tiny": 3, "mid": 1}
+
+BASE_COLUMNS = (
+    "model",
+    "size",
+    "dtype",
+    *FAMILIES,
+    "graphs",
+    "fallbacks",
+    "max_rel_err",
+    "compile_s",
+    "eager_ms",
+    "mindiesd_ms",
+    "speedup",
+)
+INDUCTOR_COLUMNS = (
+    "inductor_max_rel_err",
+    "inductor_compile_s",
+    "inductor_ms",
+    "compile_vs_inductor",
+    "speed_vs_inductor",
+)
+
+_HEADERS = {
+    "adalayernorm": "adaln",
+    "fast_gelu": "gelu",
+    "fallbacks": "fallback",
+    "max_rel_err": "max_rel_err",
+    "compile_s": "compile_s",
+    "inductor_max_rel_err": "ind_rel_err",
+    "inductor_compile_s": "ind_compile_s",
+    "inductor_ms": "inductor_ms",
+    "compile_vs_inductor": "compile/ind",
+    "speed_vs_inductor": "speed/ind",
+}
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Progress:
+    """Reports long steps on a stream: a live seconds ticker on a TTY, plain lines otherwise."""
+
+    def __init__(self, stream: TextIO | None = None, live: bool | None = None, interval: float = 1.0):
+        self.stream = stream if stream is not None else sys.stderr
+        if live is None:
+            isatty = getattr(self.stream, "isatty", None)
+            live = bool(isatty and isatty())
+        self.live = live
+        self.interval = interval
+
+    def note(self, message: str) -> None:
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
+    @contextlib.contextmanager
+    def step(self, label: str) -> Iterator[None]:
+        """Announce ``label``, tick while it runs, and finish with its elapsed time."""
+        start = time.perf_counter()
+        stop = threading.Event()
+        ticker = None
+        if self.live:
+            self.stream.write(f"{label} ...")
+            self.stream.flush()
+
+            def tick() -> None:
+                while not stop.wait(self.interval):
+                    self.stream.write(f"\r{label} ... {time.perf_counter() - start:.0f} s")
+                    self.stream.flush()
+
+            ticker = threading.Thread(target=tick, name="mindiesd-bench-ticker", daemon=True)
+            ticker.start()
+        else:
+            self.note(f"{label} ...")
+        outcome = "done in"
+        try:
+            yield
+        except BaseException:
+            outcome = "failed after"
+            raise
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            elapsed = time.perf_counter() - start
+            if self.live:
+                self.stream.write(f"\r{label} ... {outcome} {elapsed:.1f} s\n")
+                self.stream.flush()
+            else:
+                self.note(f"  {outcome} {elapsed:.1f} s")
+
+
+class QuietProgress(Progress):
+    """A :class:`Progress` that reports nothing (for tests and library callers)."""
+
+    def __init__(self) -> None:
+        super().__init__(stream=io.StringIO(), live=False)
+
+    def note(self, message: str) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    if hasattr(output, "sample"):
+        output = output.sample
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"model output has no leading tensor: {type(output).__name__}")
+    return output
+
+
+def max_relative_error(actual: Any, expected: Any) -> float:
+    """``max |actual - expected| / max |expected|`` over the first output tensor, in fp32."""
+    a = _first_tensor(actual).detach().float()
+    e = _first_tensor(expected).detach().float()
+    scale = e.abs().max().item()
+    diff = (a - e).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu" and hasattr(torch, "npu"):
+        torch.npu.synchronize()
+
+
+def _case_device(case: zoo.Case) -> torch.device:
+    return next(case.model.parameters()).device
+
+
+def interleaved_medians(
+    runners: dict[str, Callable[[], Any]],
+    iters: int,
+    warmup: int,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Median milliseconds per call of each runner, timed round-robin in one loop.
+
+    Each iteration calls every runner once, rotating the starting runner so no
+    runner always goes first (caches, clocks) and slow drift hits all alike.
+    """
+    device = torch.device(device)
+    names = list(runners)
+    for _ in range(warmup):
+        for name in names:
+            runners[name]()
+    _synchronize(device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            runners[name]()
+            _synchronize(device)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+@contextlib.contextmanager
+def _fresh_inductor_cache() -> Iterator[None]:
+    """Point Inductor at an empty cache directory so its compile time is a cold one."""
+    with tempfile.TemporaryDirectory(prefix="mindiesd-bench-inductor-") as directory:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        except ImportError:
+            temporary_cache_dir = None
+        if temporary_cache_dir is None:
+            previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+            try:
+                yield
+            finally:
+                if previous is None:
+                    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+                else:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        else:
+            with temporary_cache_dir(directory):
+                yield
+
+
+def _timed_first_call(fn: Callable[[], Any], progress: Progress, label: str) -> tuple[Any, float]:
+    with progress.step(label):
+        start = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - start
+    return out, seconds
+
+
+def _default_backend():
+    try:
+        from .compilation import MindieSDBackend
+    except ImportError as exc:
+        raise ImportError(f"the MindieSD backend could not be imported: {exc}") from exc
+    return MindieSDBackend()
+
+
+def _report_fields(backend: Any) -> dict[str, Any]:
+    report_fn = getattr(backend, "report", None)
+    report = report_fn() if callable(report_fn) else None
+    matches = dict(getattr(report, "matches", {}) or {})
+    fields: dict[str, Any] = {family: int(matches.get(family, 0)) for family in FAMILIES}
+    fields["graphs"] = int(getattr(report, "graphs", 0) or 0)
+    reasons = [str(reason) for reason in (getattr(report, "fallbacks", None) or [])]
+    fields["fallbacks"] = len(reasons)
+    fields["fallback_reasons"] = reasons
+    backend_seconds = getattr(report, "compile_seconds", None)
+    fields["backend_s"] = float(backend_seconds) if backend_seconds is not None else None
+    return fields
+
+
+def run_case(
+    case: zoo.Case,
+    *,
+    iters: int | None = None,
+    warmup: int | None = None,
+    vs_inductor: bool = False,
+    inductor_cold_cache: bool = True,
+    backend: Any = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
+
+    Returns one row: model, size, dtype, fused-op counts per family, graphs,
+    max relative error vs eager, compile seconds (wall time of the first
+    compiled call), median eager and compiled ms per forward and the speedup;
+    with ``vs_inductor`` also Inductor's error, compile seconds and ms, and the
+    ratios ``compile_vs_inductor`` (mindiesd compile / Inductor compile) and
+    ``speed_vs_inductor`` (Inductor ms / mindiesd ms, above 1 means mindiesd is
+    faster). Resets Dynamo before and after so each compile is cold.
+    """
+    iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
+    warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
+    if iters < 1:
+        raise ValueError(f"iters must be at least 1, got {iters}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be non-negative, got {warmup}")
+    progress = progress if progress is not None else Progress()
+    backend = backend if backend is not None else _default_backend()
+    model, inputs = case.model, case.inputs
+    device = _case_device(case)
+    tag = f"{case.name}/{case.size}"
+
+    row: dict[str, Any] = {
+        "model": case.name,
+        "size": case.size,
+        "dtype": DTYPE_NAMES.get(case.dtype, str(case.dtype).replace("torch.", "")),
+    }
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), contextlib.ExitStack() as keep_alive:
+            reference = model(**inputs)
+            _synchronize(device)
+
+            compiled = torch.compile(model, backend=backend)
+            out, compile_s = _timed_first_call(
+                lambda: compiled(**inputs), progress, f"compiling {tag} with mindiesd"
+            )
+            row.update(_report_fields(backend))
+            row["max_rel_err"] = max_relative_error(out, reference)
+            row["compile_s"] = compile_s
+
+            runners = {"eager": lambda: model(**inputs), "mindiesd": lambda: compiled(**inputs)}
+            if vs_inductor:
+                row.update(dict.fromkeys(INDUCTOR_COLUMNS))
+                if inductor_cold_cache:
+                    keep_alive.enter_context(_fresh_inductor_cache())
+                inductor = torch.compile(model)
+                try:
+                    ind_out, ind_compile_s = _timed_first_call(
+                        lambda: inductor(**inputs), progress, f"compiling {tag} with inductor"
+                    )
+                except Exception as exc:  # e.g. no C++ compiler: keep the mindiesd numbers
+                    progress.note(f"inductor failed on {tag}: {type(exc).__name__}: {exc}")
+                else:
+                    row["inductor_max_rel_err"] = max_relative_error(ind_out, reference)
+                    row["inductor_compile_s"] = ind_compile_s
+                    runners["inductor"] = lambda: inductor(**inputs)
+            medians = _time(runners, iters, warmup, device, progress, tag)
+    finally:
+        torch._dynamo.reset()
+
+    row["eager_ms"] = medians["eager"]
+    row["mindiesd_ms"] = medians["mindiesd"]
+    row["speedup"] = medians["eager"] / medians["mindiesd"]
+    if "inductor" in medians:
+        row["inductor_ms"] = medians["inductor"]
+        row["compile_vs_inductor"] = row["compile_s"] / row["inductor_compile_s"]
+        row["speed_vs_inductor"] = medians["inductor"] / medians["mindiesd"]
+    row["iters"] = iters
+    return row
+
+
+def _time(runners, iters, warmup, device, progress: Progress, tag: str) -> dict[str, float]:
+    with progress.step(f"timing {tag}: {iters} interleaved iters of {', '.join(runners)}"):
+        return interleaved_medians(runners, iters=iters, warmup=warmup, device=device)
+
+
+# ---------------------------------------------------------------- output
+
+
+def _format_value(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if column in FAMILIES or column in ("graphs", "fallbacks", "iters"):
+        return str(int(value))
+    if column.endswith("rel_err"):
+        return f"{value:.1e}"
+    if column in ("speedup", "speed_vs_inductor"):
+        return f"{value:.2f}x"
+    if column == "compile_vs_inductor":
+        return f"{value:.3f}"
+    if column.endswith("_s"):
+        return f"{value:.2f}"
+    if column.endswith("_ms"):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The base columns, plus Inductor's when any row has them."""
+    columns = list(BASE_COLUMNS)
+    if any(column in row for row in rows for column in INDUCTOR_COLUMNS):
+        columns += INDUCTOR_COLUMNS
+    return columns
+
+
+def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
+    """Rows as an aligned plain-text table, or as a Markdown table."""
+    columns = table_columns(rows)
+    headers = [_HEADERS.get(c, c) for c in columns]
+    cells = [[_format_value(c, row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    left = [c in ("model", "size", "dtype") for c in columns]
+
+    def line(values: Sequence[str]) -> str:
+        padded = [v.ljust(w) if l else v.rjust(w) for v, w, l in zip(values, widths, left)]
+        return ("| " + " | ".join(padded) + " |") if markdown else "  ".join(padded).rstrip()
+
+    out = [line(headers)]
+    if markdown:
+        out.append("| " + " | ".join(("-" * (w - 1) + ":") if not l else ("-" * w) for w, l in zip(widths, left)) + " |")
+    else:
+        out.append("  ".join("-" * w for w in widths))
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, device."""
+    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        import diffusers
+
+        info["diffusers"] = diffusers.__version__
+    except ImportError:
+        info["diffusers"] = None
+    return info
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``bench`` options on ``parser``."""
+    parser.add_argument("--model", choices=(*zoo.MODELS, "all"), default="flux", help="zoo model to bench (default: flux)")
+    parser.add_argument("--size", choices=zoo.SIZES, default="tiny", help="model size (default: tiny)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model and input dtype (default: fp32)")
+    parser.add_argument(
+        "--iters",
+        type=_positive_int,
+        default=None,
+        help=f"timed forwards per variant (default: {DEFAULT_ITERS['tiny']} tiny, {DEFAULT_ITERS['mid']} mid)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=None,
+        help=f"untimed forwards per variant first (default: {DEFAULT_WARMUP['tiny']} tiny, {DEFAULT_WARMUP['mid']} mid)",
+    )
+    parser.add_argument(
+        "--vs",
+        choices=("inductor",),
+        action="append",
+        default=[],
+        help="also compile with this backend and compare (Inductor can take minutes to compile)",
+    )
+    parser.add_argument(
+        "--inductor-cache",
+        action="store_true",
+        help="let Inductor reuse its on-disk cache (default: an empty cache, so its compile time is cold)",
+    )
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Execute a parsed ``bench`` command; returns the process exit status."""
+    stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    progress = QuietProgress() if args.quiet else Progress(stderr)
+    names = zoo.MODELS if args.model == "all" else (args.model,)
+    dtype = DTYPES[args.dtype]
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for name in names:
+        try:
+            with progress.step(f"building {name}/{args.size} ({args.dtype})"):
+                case = zoo.build(name, args.size, dtype=dtype, seed=args.seed)
+            rows.append(
+                run_case(
+                    case,
+                    iters=args.iters,
+                    warmup=args.warmup,
+                    vs_inductor="inductor" in args.vs,
+                    inductor_cold_cache=not args.inductor_cache,
+                    progress=progress,
+                )
+            )
+        except ImportError as exc:
+            stderr.write(f"mindiesd bench: {exc}\n")
+            return 2
+        except Exception as exc:  # one failing model should not hide the others' results
+            failures.append(name)
+            stderr.write(f"mindiesd bench: {name}/{args.size} failed: {type(exc).__name__}: {exc}\n")
+        finally:
+            case = None
+    env = environment()
+    if rows:
+        stdout.write(format_table(rows, markdown=args.markdown) + "\n")
+        iters = sorted({row["iters"] for row in rows})
+        stdout.write(
+            f"\ntorch {env['torch']}, diffusers {env['diffusers']}, {env['threads']} threads; "
+            f"medians of {'/'.join(map(str, iters))} interleaved iters; "
+            "compile_s = wall time of the first compiled call\n"
+        )
+        if any("speed_vs_inductor" in row for row in rows):
+            stdout.write(
+                "compile/ind = mindiesd compile_s / inductor compile_s; "
+                "speed/ind = inductor_ms / mindiesd_ms (above 1: mindiesd is faster)\n"
+            )
+        stdout.flush()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"environment": env, "rows": rows, "failed": failures}, fh, indent=2)
+            fh.write("\n")
+    return 1 if failures else 0

@@ -1,0 +1,207 @@
+"""Tests of the model zoo, the ``bench`` measurement code and the ``mindiesd`` CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from mindiesd import bench, zoo  # noqa: E402
+from mindiesd.__main__ import build_parser, main  # noqa: E402
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_zoo_tiny_forward_returns_latent_shaped_tuple(name):
+    case = zoo.build(name, "tiny")
+    assert not case.model.training
+    assert case.inputs["return_dict"] is False
+    with torch.no_grad():
+        out = case.model(**case.inputs)
+    assert isinstance(out, tuple)
+    assert out[0].shape == case.inputs["hidden_states"].shape
+    assert torch.isfinite(out[0]).all()
+
+
+def test_zoo_inputs_follow_the_dtype_and_timestep_conventions():
+    flux = zoo.build("flux", dtype=torch.bfloat16)
+    assert next(flux.model.parameters()).dtype == torch.bfloat16
+    assert flux.inputs["hidden_states"].dtype == torch.bfloat16
+    assert flux.inputs["timestep"].dtype == torch.bfloat16
+    assert flux.inputs["txt_ids"].abs().sum() == 0
+    assert flux.inputs["img_ids"][:, 0].abs().sum() == 0
+    assert flux.inputs["img_ids"][:, 1:].amax().item() == 15
+
+    wan = zoo.build("wan")
+    assert wan.inputs["timestep"].dtype == torch.long
+    sd3 = zoo.build("sd3")
+    assert sd3.inputs["timestep"].is_floating_point()
+
+
+def test_zoo_is_seeded():
+    a, b = zoo.build("wan", seed=3), zoo.build("wan", seed=3)
+    torch.testing.assert_close(a.inputs["hidden_states"], b.inputs["hidden_states"], rtol=0, atol=0)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    c = zoo.build("wan", seed=4)
+    assert not torch.equal(a.inputs["hidden_states"], c.inputs["hidden_states"])
+
+
+def test_zoo_rejects_unknown_names_and_sizes():
+    with pytest.raises(ValueError) as err:
+        zoo.build("unet")
+    assert all(name in str(err.value) for name in zoo.MODELS)
+    with pytest.raises(ValueError) as err:
+        zoo.build("flux", size="huge")
+    assert all(size in str(err.value) for size in zoo.SIZES)
+
+
+def test_cli_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "--vs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+
+
+def test_cli_rejects_a_bad_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "--model", "unet"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "--model" in err and "invalid choice" in err
+
+
+def test_cli_defaults():
+    args = build_parser().parse_args(["bench"])
+    assert (args.model, args.size, args.dtype, args.vs, args.iters) == ("flux", "tiny", "fp32", [], None)
+
+
+def test_interleaved_medians_calls_each_runner_equally():
+    calls = {"a": 0, "b": 0}
+
+    def make(name):
+        def runner():
+            calls[name] += 1
+
+        return runner
+
+    medians = bench.interleaved_medians({"a": make("a"), "b": make("b")}, iters=5, warmup=2)
+    assert calls == {"a": 7, "b": 7}
+    assert set(medians) == {"a", "b"} and all(v >= 0 for v in medians.values())
+
+
+def test_progress_plain_lines():
+    stream = io.StringIO()
+    with bench.Progress(stream, live=False).step("compiling x/tiny with mindiesd"):
+        pass
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "compiling x/tiny with mindiesd ..."
+    assert lines[1].strip().startswith("done in")
+
+
+def test_progress_live_ticker_ends_with_elapsed():
+    stream = io.StringIO()
+    with pytest.raises(RuntimeError):
+        with bench.Progress(stream, live=True, interval=0.01).step("compiling"):
+            raise RuntimeError("boom")
+    assert stream.getvalue().endswith("s\n")
+    assert "failed after" in stream.getvalue()
+
+
+@dataclass
+class _Report:
+    matches: dict = field(default_factory=dict)
+    graphs: int = 0
+    compile_seconds: float = 0.0
+
+
+class _PassThroughBackend:
+    """A backend that runs the captured graph unchanged and reports no fusions."""
+
+    def __init__(self):
+        self._report = _Report()
+
+    def __call__(self, gm, example_inputs):
+        self._report.graphs += 1
+        return gm.forward
+
+    def report(self):
+        return self._report
+
+
+def _assert_complete_row(row, vs_inductor=False):
+    columns = bench.BASE_COLUMNS + (bench.INDUCTOR_COLUMNS if vs_inductor else ())
+    missing = [c for c in columns if c not in row]
+    assert not missing, missing
+    for family in bench.FAMILIES:
+        assert isinstance(row[family], int) and row[family] >= 0
+    assert row["compile_s"] > 0 and row["eager_ms"] > 0 and row["mindiesd_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["eager_ms"] / row["mindiesd_ms"])
+
+
+def test_run_case_and_table_with_a_pass_through_backend():
+    case = zoo.build("wan")
+    row = bench.run_case(case, iters=2, warmup=0, backend=_PassThroughBackend(), progress=bench.QuietProgress())
+    _assert_complete_row(row)
+    assert row["max_rel_err"] == 0.0 and row["graphs"] >= 1
+    table = bench.format_table([row])
+    header, rule, body = table.splitlines()
+    assert header.split()[:3] == ["model", "size", "dtype"] and body.split()[:3] == ["wan", "tiny", "fp32"]
+    assert len(header) == len(rule)
+    markdown = bench.format_table([row], markdown=True).splitlines()
+    assert all(line.startswith("|") and line.endswith("|") for line in markdown)
+
+
+def test_cli_bench_prints_table_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "_default_backend", _PassThroughBackend)
+    out, err = io.StringIO(), io.StringIO()
+    path = tmp_path / "rows.json"
+    args = build_parser().parse_args(
+        ["bench", "--model", "sd3", "--iters", "1", "--warmup", "0", "--json", str(path)]
+    )
+    assert bench.run(args, stdout=out, stderr=err) == 0
+    assert out.getvalue().splitlines()[2].split()[:3] == ["sd3", "tiny", "fp32"]
+    assert "compiling sd3/tiny with mindiesd ..." in err.getvalue()
+    saved = json.loads(path.read_text())
+    assert saved["rows"][0]["model"] == "sd3" and saved["environment"]["torch"] == torch.__version__
+
+
+def test_run_case_flux_with_the_mindiesd_backend():
+    try:
+        from mindiesd.compilation import MindieSDBackend
+    except ImportError as exc:
+        pytest.skip(f"mindiesd.compilation is not importable yet: {exc}")
+    case = zoo.build("flux", "tiny", dtype=torch.float32)
+    row = bench.run_case(case, iters=2, warmup=0, backend=MindieSDBackend(), progress=bench.QuietProgress())
+    _assert_complete_row(row)
+    assert row["graphs"] >= 1
+    assert row["max_rel_err"] < 1e-4
+
+
+def test_run_case_keeps_its_row_when_inductor_fails(monkeypatch):
+    real_compile = torch.compile
+
+    def compile_without_inductor(model, backend="inductor", **kwargs):
+        if backend == "inductor":
+            def broken(*args, **kw):
+                raise RuntimeError("no C++ compiler")
+
+            return broken
+        return real_compile(model, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_without_inductor)
+    progress = bench.Progress(io.StringIO(), live=False)
+    row = bench.run_case(
+        zoo.build("wan"), iters=1, warmup=0, vs_inductor=True, backend=_PassThroughBackend(), progress=progress
+    )
+    _assert_complete_row(row, vs_inductor=True)
+    assert row["inductor_ms"] is None and row["speed_vs_inductor"] is None
+    assert "inductor failed on wan/tiny" in progress.stream.getvalue()
+    assert "-" in bench.format_table([row]).splitlines()[2].split()
