@@ -53,7 +53,12 @@ INDUCTOR_COLUMNS = (
     "speed_vs_inductor",
 )
 
+CAPTURE_COLUMNS = ("capture_first_s", "capture_ms", "capture_speedup")
+
 _HEADERS = {
+    "capture_first_s": "capture_first_s",
+    "capture_ms": "captured_ms",
+    "capture_speedup": "capt/eager",
     "adalayernorm": "adaln",
     "fast_gelu": "gelu",
     "fallbacks": "fallback",
@@ -255,6 +260,7 @@ def run_case(
     inductor_cold_cache: bool = True,
     backend: Any = None,
     progress: Progress | None = None,
+    capture: bool = False,
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -264,7 +270,9 @@ def run_case(
     with ``vs_inductor`` also Inductor's error, compile seconds and ms, and the
     ratios ``compile_vs_inductor`` (mindiesd compile / Inductor compile) and
     ``speed_vs_inductor`` (Inductor ms / mindiesd ms, above 1 means mindiesd is
-    faster). Resets Dynamo before and after so each compile is cold.
+    faster). With ``capture`` also the first-call seconds and steady ms of a second compile with
+    ``aclgraph_with_compile`` on (``None`` where the device has no device graph, e.g. CPU). Resets Dynamo
+    before and after so each compile is cold.
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -313,6 +321,19 @@ def run_case(
                     row["inductor_max_rel_err"] = max_relative_error(ind_out, reference)
                     row["inductor_compile_s"] = ind_compile_s
                     runners["inductor"] = lambda: inductor(**inputs)
+            if capture:
+                row.update(dict.fromkeys(CAPTURE_COLUMNS))
+                from .compilation import CompilationConfig, MindieSDBackend
+                from .compilation.device_graph import adapter_for
+
+                if adapter_for(device) is None:
+                    progress.note(f"no device graph on {device.type}: capture columns left empty")
+                else:
+                    graphed = torch.compile(model, backend=MindieSDBackend(CompilationConfig(aclgraph_with_compile=True)))
+                    _, row["capture_first_s"] = _timed_first_call(
+                        lambda: graphed(**inputs), progress, f"compiling and capturing {tag}"
+                    )
+                    runners["captured"] = lambda: graphed(**inputs)
             medians = _time(runners, iters, warmup, device, progress, tag)
     finally:
         torch._dynamo.reset()
@@ -324,6 +345,9 @@ def run_case(
         row["inductor_ms"] = medians["inductor"]
         row["compile_vs_inductor"] = row["compile_s"] / row["inductor_compile_s"]
         row["speed_vs_inductor"] = medians["inductor"] / medians["mindiesd"]
+    if "captured" in medians:
+        row["capture_ms"] = medians["captured"]
+        row["capture_speedup"] = medians["eager"] / medians["captured"]
     row["iters"] = iters
     return row
 
@@ -345,22 +369,23 @@ def _format_value(column: str, value: Any) -> str:
         return str(int(value))
     if column.endswith("rel_err"):
         return f"{value:.1e}"
-    if column in ("speedup", "speed_vs_inductor"):
+    if column in ("speedup", "speed_vs_inductor", "capture_speedup"):
         return f"{value:.2f}x"
     if column == "compile_vs_inductor":
         return f"{value:.3f}"
     if column.endswith("_s"):
         return f"{value:.2f}"
-    if column.endswith("_ms"):
+    if column.endswith("_ms") or column == "capture_ms":
         return f"{value:.2f}"
     return str(value)
 
 
 def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The base columns, plus Inductor's when any row has them."""
+    """The base columns, plus Inductor's and capture's when any row has them."""
     columns = list(BASE_COLUMNS)
-    if any(column in row for row in rows for column in INDUCTOR_COLUMNS):
-        columns += INDUCTOR_COLUMNS
+    for extra in (INDUCTOR_COLUMNS, CAPTURE_COLUMNS):
+        if any(column in row for row in rows for column in extra):
+            columns += extra
     return columns
 
 
@@ -443,6 +468,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let Inductor reuse its on-disk cache (default: an empty cache, so its compile time is cold)",
     )
+    parser.add_argument(
+        "--capture",
+        action="store_true",
+        help="also compile with aclgraph_with_compile=True: first-call seconds and steady ms of replay "
+        "(needs a device with device graphs: --device cuda, or an Ascend NPU)",
+    )
+    parser.add_argument("--device", default="cpu", help="device to run on (default: cpu; e.g. cuda, npu)")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
@@ -464,7 +496,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     for name in names:
         try:
             with progress.step(f"building {name}/{args.size} ({args.dtype})"):
-                case = zoo.build(name, args.size, dtype=dtype, seed=args.seed)
+                case = zoo.build(name, args.size, dtype=dtype, seed=args.seed, device=args.device)
             rows.append(
                 run_case(
                     case,
@@ -473,6 +505,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
                     vs_inductor="inductor" in args.vs,
                     inductor_cold_cache=not args.inductor_cache,
                     progress=progress,
+                    capture=args.capture,
                 )
             )
         except ImportError as exc:

@@ -307,3 +307,12 @@ def test_max_graphs_setting_is_validated():
 
     with pytest.raises(SettingTypeError):
         CompilationConfig(aclgraph_max_graphs=0)
+
+
+def test_bench_capture_columns(adapter):
+    from mindiesd import bench, zoo
+
+    row = bench.run_case(zoo.build("wan", "tiny"), iters=2, warmup=0, capture=True, progress=bench.QuietProgress())
+    assert row["capture_first_s"] > 0 and row["capture_ms"] > 0 and row["capture_speedup"] > 0
+    assert adapter.captures == 1 and adapter.replays >= 3
+    assert "captured_ms" in bench.format_table([row])
