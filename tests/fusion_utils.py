@@ -59,6 +59,30 @@ def assert_close(actual: Any, expected: Any, dtype: Optional[torch.dtype] = None
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
+class WeightedBlock(torch.nn.Module):
+    """RMSNorm, Linear, tanh-GELU and a table derived from a buffer alone (which freezing folds)."""
+
+    def __init__(self, d: int = 16, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.norm = torch.nn.RMSNorm(d)
+        self.lin = torch.nn.Linear(d, d)
+        self.register_buffer("freqs", torch.randn(d, generator=g))
+        with torch.no_grad():
+            self.norm.weight.copy_(torch.randn(d, generator=g))
+            self.lin.weight.copy_(torch.randn(d, d, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.cos(self.freqs * 2.0) + 1.0
+        return torch.nn.functional.gelu(self.lin(self.norm(x)), approximate="tanh") * table
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        """The same function written with functional ops only (no module call)."""
+        F = torch.nn.functional
+        h = F.linear(F.rms_norm(x, [x.shape[-1]], self.norm.weight), self.lin.weight, self.lin.bias)
+        return F.gelu(h, approximate="tanh") * (torch.cos(self.freqs * 2.0) + 1.0)
+
+
 def only(family: str, n: int) -> Dict[str, int]:
     """The expected counts: n of one family, none of the others."""
     return {f: (n if f == family else 0) for f in FAMILIES}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusion_utils import FAMILIES, assert_close, count_fused, only, run_compiled
+from fusion_utils import FAMILIES, WeightedBlock, assert_close, count_fused, only, run_compiled
 from mindiesd.compilation import (
     CompilationConfig,
     MindieSDBackend,
@@ -94,28 +94,12 @@ def test_aclgraph_only_skips_fusion_and_with_compile_wins():
 
 # ---------------------------------------------------------------------------------------------- freezing
 def make_block_class(backend):
-    @torch.compile(backend=backend)
-    class Block(torch.nn.Module):
-        def __init__(self, d=16, seed=0):
-            super().__init__()
-            g = torch.Generator().manual_seed(seed)
-            self.norm = torch.nn.RMSNorm(d)
-            self.lin = torch.nn.Linear(d, d)
-            self.register_buffer("freqs", torch.randn(d, generator=g))
-            with torch.no_grad():
-                self.norm.weight.copy_(torch.randn(d, generator=g))
-                self.lin.weight.copy_(torch.randn(d, d, generator=g))
-
-        def forward(self, x):
-            table = torch.cos(self.freqs * 2.0) + 1.0  # depends on a buffer alone: folded
-            return self.lin(self.norm(x)) * table
-
-    return Block
+    """A module class decorated as in the specification: one compiled graph for all instances."""
+    return torch.compile(backend=backend)(type("Block", (WeightedBlock,), {}))
 
 
 def eager_block(block, x):
-    table = torch.cos(block.freqs * 2.0) + 1.0
-    return F.linear(F.rms_norm(x, [x.shape[-1]], block.norm.weight), block.lin.weight, block.lin.bias) * table
+    return block.eager(x)
 
 
 def test_class_decorator_one_graph_serves_instances_with_their_own_weights():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusion_utils import FAMILIES, count_fused
+from fusion_utils import FAMILIES, WeightedBlock, count_fused
 from mindiesd.compilation import (
     CompilationConfig,
     DeviceGraphCaptureWarning,
@@ -28,19 +28,7 @@ def adapter():
     register_adapter("cpu", None)
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d=16, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.norm = torch.nn.RMSNorm(d)
-        self.lin = torch.nn.Linear(d, d)
-        self.register_buffer("freqs", torch.randn(d, generator=g))
-        with torch.no_grad():
-            self.norm.weight.copy_(torch.randn(d, generator=g))
-            self.lin.weight.copy_(torch.randn(d, d, generator=g))
-
-    def forward(self, x):
-        return F.gelu(self.lin(self.norm(x)), approximate="tanh") * torch.cos(self.freqs)
+Block = WeightedBlock
 
 
 def captured(model, **settings):
