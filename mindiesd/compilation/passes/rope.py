@@ -134,6 +134,11 @@ def _pair_view_ok(m, x, d):
     return shape[-2] == -1 or known_eq(shape[-2], d // 2)
 
 
+def _pairs_ok(m, x, d):
+    """x viewed as [..., D/2, 2] and unbound along the pair dimension."""
+    return _pair_view_ok(m, x, d) and _norm_dim(m["pair_dim"], x.dim() + 1) == x.dim()
+
+
 def _emit(m, root, emit, interleaved, cos, sin):
     out_dtype = tensor_val(root).dtype
     for t in (cos, sin):
@@ -148,7 +153,7 @@ def _build_interleaved(m, root, emit):
         return None
     x, d = info
     rank = x.dim()
-    if not _pair_view_ok(m, x, d) or _norm_dim(m["pair_dim"], rank + 1) != rank:
+    if not _pairs_ok(m, x, d):
         return None
     if _norm_dim(m["stack_dim"], rank + 1) != rank or not same_shape(m["rot_shape"], x.shape):
         return None
@@ -188,10 +193,7 @@ def _build_wan(m, root, emit):
     if info is None:
         return None
     x, d = info
-    rank = x.dim()
-    if not _pair_view_ok(m, x, d) or _norm_dim(m["pair_dim"], rank + 1) != rank:
-        return None
-    if _norm_dim(m["w_dim"], rank) != rank - 1 or m["w_end"] < d:
+    if not _pairs_ok(m, x, d) or _norm_dim(m["w_dim"], x.dim()) != x.dim() - 1 or m["w_end"] < d:
         return None
     for name in ("cos", "sin"):
         t = tensor_val(m[name])
