@@ -251,12 +251,19 @@ def match(pattern: Pattern, node: Node) -> Optional[Match]:
     return m
 
 
+#: Users that read only a tensor's metadata (dynamic=True adds them); they do not need its values.
+_SIZE_QUERIES = frozenset(
+    getattr(aten, name).int if name != "sym_numel" else aten.sym_numel.default
+    for name in ("sym_size", "sym_stride", "sym_numel")
+)
+
+
 def is_self_contained(m: Match, root: Node) -> bool:
-    """True when every interior node but the root is used only by nodes of the match."""
+    """True when every interior node but the root is used only by nodes of the match (or for its sizes)."""
     covered = set(m.interior) | set(m.shared)
     for node in m.interior:
         if node is root:
             continue
-        if any(user not in covered for user in node.users):
+        if any(user not in covered and user.target not in _SIZE_QUERIES for user in node.users):
             return False
     return True

@@ -23,7 +23,9 @@ __all__ = ["FusionPass", "Rule", "Emitter", "same_shape", "known_eq", "tensor_va
 
 
 def known_eq(a: Any, b: Any) -> bool:
-    """a == b, provably (False when symbolic and undecidable)."""
+    """a == b, provably (False when symbolic and undecidable). A node stands for its traced value, as a size
+    argument computed in the graph (``sym_size``) does under ``dynamic=True``."""
+    a, b = (val(v) if isinstance(v, Node) else v for v in (a, b))
     try:
         return bool(statically_known_true(a == b))
     except Exception:
@@ -103,9 +105,8 @@ class FusionPass:
     def __call__(self, gm: GraphModule) -> int:
         graph = gm.graph
         replaced = 0
-        erased: set = set()
         for node in reversed(list(graph.nodes)):
-            if node in erased or node.op != "call_function":
+            if getattr(node, "_erased", False) or node.op != "call_function" or not node.users:
                 continue
             for rule in self.rules:
                 m = match(rule.pattern, node)
@@ -124,7 +125,7 @@ class FusionPass:
                     continue
                 fused.meta["mindiesd_rule"] = f"{self.family}:{rule.name}"
                 node.replace_all_uses_with(fused)
-                erased |= _erase_dead(graph, [*m.interior, *m.shared, node])
+                graph.eliminate_dead_code()  # so that no later match counts a dead leftover
                 replaced += 1
                 break
         graph.lint()
@@ -135,19 +136,3 @@ class FusionPass:
     def _same_result(fused: Node, original: Node) -> bool:
         new, old = tensor_val(fused), tensor_val(original)
         return new is not None and old is not None and new.dtype == old.dtype and same_shape(new.shape, old.shape)
-
-
-def _erase_dead(graph: Graph, candidates: List[Node]) -> set:
-    """Erase the candidates that no longer have users, consumers before producers."""
-    erased = set()
-    pending = list(dict.fromkeys(candidates))
-    progress = True
-    while progress:
-        progress = False
-        for node in list(pending):
-            if not node.users and node.op == "call_function":
-                graph.erase_node(node)
-                erased.add(node)
-                pending.remove(node)
-                progress = True
-    return erased

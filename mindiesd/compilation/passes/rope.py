@@ -120,7 +120,9 @@ def _x_info(m):
     if x is None or x.dim() < 1 or not x.dtype.is_floating_point:
         return None
     d = x.shape[-1]
-    if not isinstance(d, int) or d % 2:
+    # Under dynamic=True d is symbolic; each form's pair or half view then implies that d is even (eager's
+    # view would fail otherwise), and the fused op checks it again at run time.
+    if isinstance(d, int) and d % 2:
         return None
     return x, d
 
@@ -132,6 +134,11 @@ def _pair_view_ok(m, x, d):
     if not same_shape(shape[:-2], x.shape[:-1]):
         return False
     return shape[-2] == -1 or known_eq(shape[-2], d // 2)
+
+
+def _reaches_end(end, d):
+    """A slice end that covers the whole dimension d (the usual "to the end" sentinel, or d itself)."""
+    return end >= 2**62 or known_eq(end, d)
 
 
 def _pairs_ok(m, x, d):
@@ -171,11 +178,12 @@ def _halves_ok(m, x, d):
         return _norm_dim(m["half_dim"], rank + 1) == rank - 1
     if "split_size" in m.bindings:
         pieces = val(m["halves"])
-        return (m["split_size"] == d // 2 and _norm_dim(m["split_dim"], rank) == rank - 1
+        return (known_eq(m["split_size"], d // 2) and _norm_dim(m["split_dim"], rank) == rank - 1
                 and isinstance(pieces, (list, tuple)) and len(pieces) == 2)
-    lo = (_norm_dim(m["lo_dim"], rank), m["lo_start"], min(m["lo_end"], d))
-    hi = (_norm_dim(m["hi_dim"], rank), m["hi_start"], min(m["hi_end"], d))
-    return lo == (rank - 1, 0, d // 2) and hi == (rank - 1, d // 2, d)
+    if _norm_dim(m["lo_dim"], rank) != rank - 1 or _norm_dim(m["hi_dim"], rank) != rank - 1:
+        return False
+    return (m["lo_start"] == 0 and known_eq(m["lo_end"], d // 2) and known_eq(m["hi_start"], d // 2)
+            and _reaches_end(m["hi_end"], d))
 
 
 def _build_half(m, root, emit):
@@ -193,7 +201,7 @@ def _build_wan(m, root, emit):
     if info is None:
         return None
     x, d = info
-    if not _pairs_ok(m, x, d) or _norm_dim(m["w_dim"], x.dim()) != x.dim() - 1 or m["w_end"] < d:
+    if not _pairs_ok(m, x, d) or _norm_dim(m["w_dim"], x.dim()) != x.dim() - 1 or not _reaches_end(m["w_end"], d):
         return None
     for name in ("cos", "sin"):
         t = tensor_val(m[name])
