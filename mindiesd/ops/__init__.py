@@ -99,3 +99,33 @@ def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     if _needs_grad(x, y, z):
         return reference.mul_add(x, y, z)
     return _MUL_ADD(x, y, z)
+
+
+def _register_optional_kernels() -> None:
+    """Register the Triton (CUDA) and torch_npu (Ascend) kernels where their runtimes exist.
+
+    Triton is imported only when a CUDA device is present.  A runtime that is
+    installed but fails to load costs a warning; the reference kernels run.
+    """
+    import importlib.util
+    import warnings
+
+    backends = []
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        backends.append("_triton")
+    if importlib.util.find_spec("torch_npu") is not None:
+        backends.append("_npu")
+    for backend in backends:
+        try:
+            importlib.import_module(f"{__name__}.{backend}").register()
+        except Exception as error:  # a broken optional runtime must not break this import
+            warnings.warn(
+                f"mindiesd.ops: {backend.lstrip('_')} kernels not registered ({error!r}); "
+                "the reference kernels run instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+_register_optional_kernels()
+

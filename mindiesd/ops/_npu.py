@@ -1,0 +1,290 @@
+"""Ascend NPU kernels (device type "npu", dispatch key PrivateUse1) through torch_npu.
+
+An op runs a torch_npu fused kernel only on the inputs for which that kernel
+computes the same function as ``mindiesd.ops.reference``; all other inputs,
+and the ops without such a kernel, run the reference composition.
+
+* rms_norm: ``torch_npu.npu_rms_norm(x, gamma, epsilon)[0]``.  The kernel
+  normalizes over the last ``gamma.dim()`` dims of x, so only a weight that
+  is a [D] vector (after dropping leading size-1 dims) is passed; a missing
+  weight becomes ones.  Its output has x's dtype, so it is used when that is
+  the output dtype, or when x is float32 (the float32 result is then
+  rounded once).  The weight must have x's dtype or promote into it.
+* rope: ``torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode)``, which computes
+  ``x * r1 + rotate(x) * r2`` with ``rotate_half`` ("half") or the
+  interleaved-pair rotation ("interleave") on full-width tables.  Used for
+  4-D x whose tables broadcast in one of the documented layouts, with the
+  documented size limits, on Atlas A2/A3 (the other chips' older kernel has
+  no interleave mode and narrower limits).  Per-pair tables are widened to
+  full width first (a copy of the table, not of x).
+* fast_gelu: reference.  ``torch_npu.npu_fast_gelu`` computes
+  x * sigmoid(1.702 x), a different function from the tanh GELU this op is,
+  and some torch_npu versions run ``F.gelu(x, approximate="tanh")`` as
+  aclnnGelu without passing the approximation on, so neither is used.
+* adalayernorm, mul_add: reference; torch_npu has no binding of the same
+  functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+
+from . import reference
+from ._library import DEVICE_KERNELS, register_device_kernel
+from ._rules import promote, rms_norm_rules, rope_rules
+
+__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
+
+DEVICE_TYPE = "npu"
+
+# Dtypes the torch_npu fused kernels accept.
+NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Ranks of x that npu_rms_norm accepts.
+RMS_NORM_RANKS = range(2, 9)
+# npu_rotary_mul limits on Atlas A2/A3: D below this, and B, N (half) or
+# B * N (interleave) below ROTARY_BATCH_HEADS_LIMIT.
+ROTARY_MAX_WIDTH = 896
+ROTARY_BATCH_HEADS_LIMIT = 1000
+# SoC version ranges (torch_npu._C._npu_get_soc_version) of Atlas A2 (910B)
+# and A3 (910C / 910_93) chips, which run the aclnn RotaryPositionEmbedding kernel.
+ROTARY_SOC_RANGES = (range(220, 240), range(250, 260))
+
+# cos/sin table forms npu_rotary_mul documents for each layout of x: which
+# of x's first three dims the table keeps (True) or broadcasts (False), and
+# the dims of x that are then B and N (whose sizes are limited).  One table
+# form can fit several layouts; the limits of all of them must hold.
+_HALF_TABLE_FORMS = (
+    ((False, False, True), (0, 1)),  # x BNSD, table 11SD
+    ((True, False, True), (0, 1)),  # x BNSD, table B1SD
+    ((True, True, True), (0, 1)),  # x BNSD, table BNSD
+    ((False, True, False), (0, 2)),  # x BSND, table 1S1D
+    ((True, True, False), (0, 2)),  # x BSND, table BS1D
+    ((True, True, True), (0, 2)),  # x BSND, table BSND
+    ((True, False, False), (1, 2)),  # x SBND, table S11D
+    ((True, True, False), (1, 2)),  # x SBND, table SB1D
+    ((True, True, True), (1, 2)),  # x SBND, table SBND
+)
+_INTERLEAVE_TABLE_FORMS = (
+    ((False, False, True), (0, 1)),  # x BNSD, table 11SD
+    ((False, True, False), (0, 2)),  # x BSND, table 1S1D
+    ((True, False, False), (1, 2)),  # x SBND, table S11D
+)
+_TABLE_FORMS = {"half": _HALF_TABLE_FORMS, "interleave": _INTERLEAVE_TABLE_FORMS}
+
+
+def _torch_npu():
+    """The torch_npu module (imported by whoever made the NPU tensors)."""
+    import torch_npu
+
+    return torch_npu
+
+
+def _rounds_once(x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether a kernel result in x's dtype, cast to ``out_dtype``, is the reference result.
+
+    True when no cast is needed, or when the kernel computed in float32 and
+    the cast is the only rounding.
+    """
+    return out_dtype == x_dtype or (x_dtype == torch.float32 and out_dtype.is_floating_point)
+
+
+def _finish(result: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if result.dtype != out_dtype:
+        result = result.to(out_dtype)
+    return result.contiguous()
+
+
+# ----------------------------------------------------------------------------
+# rms_norm
+# ----------------------------------------------------------------------------
+
+
+def rms_norm_gamma(
+    x: torch.Tensor, weight: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The [D] gamma with which npu_rms_norm computes this rms_norm, or None."""
+    if x.dtype not in NPU_FLOAT_DTYPES or x.dim() not in RMS_NORM_RANKS:
+        return None
+    if not _rounds_once(x.dtype, out_dtype):
+        return None
+    width = x.shape[-1]
+    if weight is None:
+        return torch.ones(width, dtype=x.dtype, device=x.device)
+    if weight.dim() == 0 or weight.shape[-1] != width or any(s != 1 for s in weight.shape[:-1]):
+        return None
+    if weight.dtype not in NPU_FLOAT_DTYPES or promote(x.dtype, weight.dtype) != x.dtype:
+        return None
+    return weight.reshape(width).to(x.dtype)
+
+
+def rms_norm(x, weight, eps, out_dtype=None):
+    """npu_rms_norm where it computes this function, else the reference."""
+    out_dtype, _ = rms_norm_rules(x, weight, out_dtype)
+    gamma = rms_norm_gamma(x, weight, out_dtype)
+    if gamma is None:
+        return reference.rms_norm(x, weight, eps, out_dtype)
+    result, _ = _torch_npu().npu_rms_norm(x, gamma, eps)
+    return _finish(result, out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# rope
+# ----------------------------------------------------------------------------
+
+
+def _takes_rotary_mode(function) -> bool:
+    """Whether this torch_npu's npu_rotary_mul has the rotary_mode argument."""
+    try:
+        return "rotary_mode" in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        pass
+    try:
+        schema = torch.ops.npu.npu_rotary_mul.default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(argument.name == "rotary_mode" for argument in schema.arguments)
+
+
+@functools.cache
+def rotary_mul_modes() -> frozenset[str]:
+    """The rotary modes of npu_rotary_mul this machine runs with the documented semantics.
+
+    Empty off Atlas A2/A3 chips; "interleave" needs a torch_npu whose
+    npu_rotary_mul takes ``rotary_mode``.
+    """
+    torch_npu = _torch_npu()
+    try:
+        soc_version = torch_npu._C._npu_get_soc_version()
+    except (AttributeError, RuntimeError):
+        return frozenset()
+    if not any(soc_version in versions for versions in ROTARY_SOC_RANGES):
+        return frozenset()
+    if _takes_rotary_mode(torch_npu.npu_rotary_mul):
+        return frozenset({"half", "interleave"})
+    return frozenset({"half"})
+
+
+def _batch_head_dims(x_shape, table_shape, forms) -> list[tuple[int, ...]]:
+    """The (B, N) dims of x for every documented layout whose table form ``table_shape`` fits."""
+    return [
+        batch_heads
+        for keeps, batch_heads in forms
+        if all(
+            table_size == (x_size if keep else 1)
+            for keep, table_size, x_size in zip(keeps, table_shape[:3], x_shape[:3])
+        )
+    ]
+
+
+def _four_dims(shape) -> tuple[int, ...]:
+    """``shape`` with leading size-1 dims added up to four dims."""
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def _widen(table: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
+    """A 4-D full-width view (or, for a per-pair table, copy) of a cos/sin table."""
+    table = table.reshape(_four_dims(table.shape))
+    if table.shape[-1] == width:
+        return table
+    if interleaved:
+        return table.repeat_interleave(2, dim=-1)
+    return torch.cat((table, table), dim=-1)
+
+
+def rotary_mul_args(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """(r1, r2, rotary_mode) with which npu_rotary_mul computes this rope, or None."""
+    if x.dim() != 4 or cos.dim() > 4 or sin.dim() > 4:
+        return None
+    if x.dtype not in NPU_FLOAT_DTYPES or not (x.dtype == cos.dtype == sin.dtype):
+        return None
+    if not _rounds_once(x.dtype, out_dtype):
+        return None
+    mode = "interleave" if interleaved else "half"
+    if mode not in rotary_mul_modes():
+        return None
+    width = x.shape[-1]
+    if width >= ROTARY_MAX_WIDTH or _four_dims(cos.shape) != _four_dims(sin.shape):
+        return None
+    if cos.shape[-1] not in (width, width // 2):
+        return None
+    layouts = _batch_head_dims(x.shape, _four_dims(cos.shape), _TABLE_FORMS[mode])
+    if not layouts:
+        return None
+    for batch_heads in layouts:
+        sizes = [x.shape[dim] for dim in batch_heads]
+        if mode == "half" and max(sizes) >= ROTARY_BATCH_HEADS_LIMIT:
+            return None
+        if mode == "interleave" and math.prod(sizes) >= ROTARY_BATCH_HEADS_LIMIT:
+            return None
+    return _widen(cos, width, interleaved), _widen(sin, width, interleaved), mode
+
+
+def rope(x, cos, sin, interleaved, out_dtype=None):
+    """npu_rotary_mul where it computes this function, else the reference."""
+    out_dtype, _ = rope_rules(x, cos, sin, out_dtype)
+    args = rotary_mul_args(x, cos, sin, interleaved, out_dtype)
+    if args is None:
+        return reference.rope(x, cos, sin, interleaved, out_dtype)
+    r1, r2, mode = args
+    npu_rotary_mul = _torch_npu().npu_rotary_mul
+    if mode == "half":
+        result = npu_rotary_mul(x, r1, r2)
+    else:
+        result = npu_rotary_mul(x, r1, r2, rotary_mode=mode)
+    return _finish(result, out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Ops without an exact torch_npu kernel
+# ----------------------------------------------------------------------------
+
+
+def adalayernorm(x, scale, shift, eps, out_dtype=None):
+    """Reference composition (no torch_npu binding computes this function)."""
+    return reference.adalayernorm(x, scale, shift, eps, out_dtype)
+
+
+def fast_gelu(x):
+    """Reference tanh GELU; never npu_fast_gelu, which is x * sigmoid(1.702 x)."""
+    return reference.fast_gelu(x)
+
+
+def mul_add(x, y, z):
+    """Reference composition: x * y + z computed in float32 for 16-bit inputs."""
+    return reference.mul_add(x, y, z)
+
+
+KERNELS = {
+    "rms_norm": rms_norm,
+    "rope": rope,
+    "adalayernorm": adalayernorm,
+    "fast_gelu": fast_gelu,
+    "mul_add": mul_add,
+}
+
+
+def register() -> bool:
+    """Register the NPU kernels for device type "npu" when torch_npu is importable.
+
+    Returns False (and registers nothing) without torch_npu.  Kernels that
+    are already registered are left alone, so calling it again is a no-op.
+    """
+    try:
+        _torch_npu()
+    except ImportError:
+        return False
+    registered = DEVICE_KERNELS.get(DEVICE_TYPE, {})
+    for name, kernel in KERNELS.items():
+        if registered.get(name) is not kernel:
+            register_device_kernel(name, DEVICE_TYPE, kernel)
+    return True
