@@ -129,3 +129,4 @@ def _register_optional_kernels() -> None:
 
 _register_optional_kernels()
 
+from ._cpp_kernels import build_cpu_kernels  # noqa: E402  (registers the lazily built C++ CPU kernels)

@@ -1,0 +1,29 @@
+// Python bindings of the single-pass CPU kernels (see kernels.h).
+//
+// Kept apart from kernels.cpp so that the two compile in parallel: the
+// Python and pybind11 headers take as long to parse as the kernels.
+
+#include "kernels.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using py::arg;
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.doc() = "Single-pass CPU kernels for the mindiesd operators (None: form not covered).";
+  m.def("rms_norm", &mindiesd_cpu::rms_norm, arg("x"), arg("weight"), arg("eps"), arg("out_dtype"), release);
+  m.def("adalayernorm", &mindiesd_cpu::adalayernorm, arg("x"), arg("scale"), arg("shift"), arg("eps"),
+        arg("out_dtype"), release);
+  m.def("rope", &mindiesd_cpu::rope, arg("x"), arg("cos"), arg("sin"), arg("interleaved"), arg("out_dtype"),
+        release);
+  m.def("fast_gelu", &mindiesd_cpu::fast_gelu, arg("x"), release);
+  m.def("mul_add", &mindiesd_cpu::mul_add, arg("x"), arg("y"), arg("z"), release);
+  m.def("capability", &mindiesd_cpu::capability);
+  m.def("set_streaming_threshold", &mindiesd_cpu::set_streaming_threshold, arg("bytes"),
+        "Outputs of at least ``bytes`` use non-temporal stores (-1: 3/4 of the L3 size).");
+  m.def("streaming_threshold", &mindiesd_cpu::streaming_threshold);
+  m.attr("vector_lanes") = mindiesd_cpu::vector_lanes();
+}

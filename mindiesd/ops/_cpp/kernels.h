@@ -1,0 +1,36 @@
+// Entry points of the single-pass CPU kernels (kernels.cpp).
+//
+// Each returns a new contiguous output, or std::nullopt when it does not
+// cover the form of its inputs (the caller then uses another kernel).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace mindiesd_cpu {
+
+std::optional<at::Tensor> rms_norm(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, at::ScalarType out_dtype);
+std::optional<at::Tensor> adalayernorm(
+    const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps,
+    at::ScalarType out_dtype);
+std::optional<at::Tensor> rope(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+    at::ScalarType out_dtype);
+std::optional<at::Tensor> fast_gelu(const at::Tensor& x);
+std::optional<at::Tensor> mul_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z);
+
+// ATen CPU capability the kernels were compiled for, e.g. "AVX512+BF16".
+std::string capability();
+// float32 lanes of one vector.
+int64_t vector_lanes();
+// Outputs of at least ``bytes`` use non-temporal stores (-1: 3/4 of L3).
+void set_streaming_threshold(int64_t bytes);
+int64_t streaming_threshold();
+
+}  // namespace mindiesd_cpu
