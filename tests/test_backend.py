@@ -281,3 +281,21 @@ def test_global_fusion_report_accumulates():
     run_compiled(AllFamilies(), *all_families_inputs())
     assert fusion_report().graphs == before + 1
     assert fusion_report().matches["rope"] >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_low_precision_is_no_further_from_fp64_than_eager(dtype):
+    torch.manual_seed(0)
+    base = AllFamilies()
+    low, exact = AllFamilies().to(dtype), AllFamilies().double()
+    low.load_state_dict({k: v.to(dtype) for k, v in base.state_dict().items()})
+    exact.load_state_dict({k: v.to(dtype).double() for k, v in base.state_dict().items()})
+    compiled = torch.compile(low, backend=MindieSDBackend())
+    eager_error = fused_error = 0.0
+    with torch.no_grad():
+        for seed in range(8):  # summed over inputs: one sample's maximum error is noisy
+            inputs = [t.to(dtype) for t in all_families_inputs(seed=seed)]
+            truth = exact(*[t.double() for t in inputs])
+            eager_error += (low(*inputs).double() - truth).abs().mean().item()
+            fused_error += (compiled(*inputs).double() - truth).abs().mean().item()
+    assert fused_error <= eager_error, (fused_error, eager_error)
