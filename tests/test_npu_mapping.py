@@ -384,8 +384,8 @@ def recorded_registrations(monkeypatch):
         calls.append((name, device_type, kernel))
         device_kernels.setdefault(device_type, {})[name] = kernel
 
-    monkeypatch.setattr(_npu, "register_device_kernel", record)
-    monkeypatch.setattr(_npu, "DEVICE_KERNELS", device_kernels)
+    monkeypatch.setattr(_library, "register_device_kernel", record)
+    monkeypatch.setattr(_library, "DEVICE_KERNELS", device_kernels)
     return calls
 
 

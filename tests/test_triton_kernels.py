@@ -287,13 +287,13 @@ test_kernels_in_interpreter.__test__ = not IN_INTERPRETER
 
 def test_register_needs_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "register_device_kernel", lambda *args: calls.append(args))
+    monkeypatch.setattr(_library, "register_device_kernel", lambda *args: calls.append(args))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert kernels.register() is False
     assert calls == []
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "DEVICE_KERNELS", {})
+    monkeypatch.setattr(_library, "DEVICE_KERNELS", {})
     assert kernels.register() is True
     assert sorted(name for name, _, _ in calls) == sorted(_library.SCHEMAS)
     assert {device for _, device, _ in calls} == {"cuda"}

@@ -96,15 +96,6 @@ def _complex_viewable(values: torch.Tensor) -> bool:
     )
 
 
-def _full_width(table: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
-    last = table.shape[-1]
-    if last == width or last == 1:
-        return table
-    if interleaved:
-        return table.repeat_interleave(2, dim=-1)
-    return torch.cat((table, table), dim=-1)
-
-
 def rope(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -140,8 +131,8 @@ def rope(
             )
             return _finish(out, out_dtype)
 
-    cos = _full_width(cos, width, interleaved)
-    sin = _full_width(sin, width, interleaved)
+    cos = reference._full_width(cos, width, interleaved)
+    sin = reference._full_width(sin, width, interleaved)
     if interleaved:
         first, second = slice(0, None, 2), slice(1, None, 2)
     else:

@@ -137,6 +137,14 @@ def register_device_kernel(
     DEVICE_KERNELS.setdefault(device_type, {})[name] = kernel
 
 
+def register_device_kernels(device_type: str, kernels: dict[str, Callable[..., torch.Tensor]]) -> None:
+    """Register every kernel of ``kernels`` for ``device_type``; ones already registered are left alone."""
+    registered = DEVICE_KERNELS.get(device_type, {})
+    for name, kernel in kernels.items():
+        if registered.get(name) is not kernel:
+            register_device_kernel(name, device_type, kernel)
+
+
 # Registration runs once per process.  importlib.reload keeps the module
 # globals, so the existing handle is reused.  If a second copy of this module
 # is imported (sys.modules entry removed), the ops stay registered: the

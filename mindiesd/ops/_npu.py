@@ -34,7 +34,7 @@ import math
 import torch
 
 from . import reference
-from ._library import DEVICE_KERNELS, register_device_kernel
+from ._library import register_device_kernels
 from ._rules import promote, rms_norm_rules, rope_rules
 
 __all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
@@ -283,8 +283,5 @@ def register() -> bool:
         _torch_npu()
     except ImportError:
         return False
-    registered = DEVICE_KERNELS.get(DEVICE_TYPE, {})
-    for name, kernel in KERNELS.items():
-        if registered.get(name) is not kernel:
-            register_device_kernel(name, DEVICE_TYPE, kernel)
+    register_device_kernels(DEVICE_TYPE, KERNELS)
     return True

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._library import DEVICE_KERNELS, register_device_kernel
+from ._library import register_device_kernels
 from ._rules import (
     adalayernorm_rules,
     fast_gelu_rules,
@@ -540,8 +540,5 @@ def register() -> bool:
     """
     if not torch.cuda.is_available():
         return False
-    registered = DEVICE_KERNELS.get(DEVICE_TYPE, {})
-    for name, kernel in KERNELS.items():
-        if registered.get(name) is not kernel:
-            register_device_kernel(name, DEVICE_TYPE, kernel)
+    register_device_kernels(DEVICE_TYPE, KERNELS)
     return True
