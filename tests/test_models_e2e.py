@@ -4,12 +4,14 @@ The expected counts are derived from the model's own modules and the forward of 
 model below), not copied from a run.
 """
 
+import warnings
+
 import pytest
 import torch
 
 from fusion_utils import FAMILIES, TOLERANCE, count_fused
 from mindiesd import zoo
-from mindiesd.compilation import MindieSDBackend
+from mindiesd.compilation import MindieSDBackend, MindieSDFallbackWarning
 
 pytest.importorskip("diffusers")
 
@@ -90,8 +92,11 @@ def test_tiny_model_fuses_every_site_and_matches_eager(name, dtype):
     compiled = torch.compile(case.model, backend=backend)
     with torch.no_grad():
         reference = case.model(**case.inputs)[0]
-        first = compiled(**case.inputs)[0]
-        second = compiled(**case.inputs)[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = compiled(**case.inputs)[0]  # compile time and run time
+            second = compiled(**case.inputs)[0]
+    assert [str(w.message) for w in caught if issubclass(w.category, MindieSDFallbackWarning)] == []
 
     assert count_fused(backend) == expected
     assert backend.report().matches == expected

@@ -94,11 +94,15 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     return _FAST_GELU(x)
 
 
-def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """x * y + z with full broadcasting, rounded once."""
+def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, addend_first: bool = False) -> torch.Tensor:
+    """x * y + z with full broadcasting, rounded once.
+
+    The output has the memory layout eager's ``x * y + z`` gives, or ``z + x * y``'s with ``addend_first``
+    (they differ when the operands' layouts do).
+    """
     if _needs_grad(x, y, z):
-        return reference.mul_add(x, y, z)
-    return _MUL_ADD(x, y, z)
+        return reference.mul_add(x, y, z, addend_first)
+    return _MUL_ADD(x, y, z, addend_first)
 
 
 def _register_optional_kernels() -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from . import _cpu, reference
+from ._layout import conform, empty_output
 from ._rules import (
     adalayernorm_rules,
     fast_gelu_rules,
@@ -35,7 +36,7 @@ SCHEMAS: dict[str, str] = {
     "rope": "rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
     "adalayernorm": "adalayernorm(Tensor x, Tensor scale, Tensor shift, float eps, ScalarType? out_dtype=None) -> Tensor",
     "fast_gelu": "fast_gelu(Tensor x) -> Tensor",
-    "mul_add": "mul_add(Tensor x, Tensor y, Tensor z) -> Tensor",
+    "mul_add": "mul_add(Tensor x, Tensor y, Tensor z, bool addend_first=False) -> Tensor",
 }
 
 REFERENCE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
@@ -47,7 +48,8 @@ REFERENCE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 # Device type -> {op name -> kernel}.  Kernels take the op's schema arguments
-# positionally and must return a contiguous tensor, as the fakes promise.
+# positionally and return a contiguous tensor; they are registered behind
+# ``_layout.conform``, which gives the output the layout the fakes promise.
 # "cuda" (Triton) and "npu" (torch_npu) kernels belong here.
 DEVICE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = globals().get(
     "DEVICE_KERNELS", {"cpu": dict(_cpu.KERNELS)}
@@ -63,27 +65,27 @@ DISPATCH_KEYS: dict[str, str] = {
 
 def _fake_rms_norm(x, weight, eps, out_dtype=None):
     out_dtype, _ = rms_norm_rules(x, weight, out_dtype)
-    return x.new_empty(x.shape, dtype=out_dtype)
+    return empty_output("rms_norm", (x,), out_dtype)
 
 
 def _fake_rope(x, cos, sin, interleaved, out_dtype=None):
     out_dtype, _ = rope_rules(x, cos, sin, out_dtype)
-    return x.new_empty(x.shape, dtype=out_dtype)
+    return empty_output("rope", (x,), out_dtype)
 
 
 def _fake_adalayernorm(x, scale, shift, eps, out_dtype=None):
     out_dtype, _ = adalayernorm_rules(x, scale, shift, out_dtype)
-    return x.new_empty(x.shape, dtype=out_dtype)
+    return empty_output("adalayernorm", (x,), out_dtype)
 
 
 def _fake_fast_gelu(x):
     out_dtype, _ = fast_gelu_rules(x)
-    return x.new_empty(x.shape, dtype=out_dtype)
+    return empty_output("fast_gelu", (x,), out_dtype)
 
 
-def _fake_mul_add(x, y, z):
-    shape, out_dtype, _ = mul_add_rules(x, y, z)
-    return x.new_empty(shape, dtype=out_dtype)
+def _fake_mul_add(x, y, z, addend_first=False):
+    _, out_dtype, _ = mul_add_rules(x, y, z)
+    return empty_output("mul_add", (x, y, z, addend_first), out_dtype)
 
 
 FAKE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
@@ -118,7 +120,7 @@ def _define_all() -> torch.library.Library:
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKE_KERNELS[name], lib=library)
     for device_type, kernels in DEVICE_KERNELS.items():
         for name, kernel in kernels.items():
-            library.impl(name, kernel, _dispatch_key(device_type))
+            library.impl(name, conform(name, kernel), _dispatch_key(device_type))
     return library
 
 
@@ -129,11 +131,12 @@ def register_device_kernel(
 
     For backends whose kernels are only importable at run time (Triton,
     torch_npu).  The kernel takes the schema arguments positionally and
-    returns a contiguous tensor.
+    returns a contiguous tensor; the registered op gives it the rule's layout
+    (``mindiesd.ops._layout``).
     """
     if name not in SCHEMAS:
         raise ValueError(f"mindiesd.ops: unknown operator {name!r}; known: {sorted(SCHEMAS)}")
-    LIBRARY.impl(name, kernel, _dispatch_key(device_type))
+    LIBRARY.impl(name, conform(name, kernel), _dispatch_key(device_type))
     DEVICE_KERNELS.setdefault(device_type, {})[name] = kernel
 
 

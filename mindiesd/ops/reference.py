@@ -4,7 +4,8 @@ Each function is a plain composition of aten ops and is the definition of
 correct for its operator: every device kernel is tested against it.  The
 arithmetic runs in the compute dtype (float32 for float16/bfloat16 inputs,
 otherwise the promoted dtype) and is rounded once, at the end, to the output
-dtype.  Outputs are always contiguous, matching the fake kernels.  The
+dtype.  Outputs have the layout of ``mindiesd.ops._layout``'s rule (that of
+the op sequence each one replaces), matching the fake kernels.  The
 functions are differentiable, so ``mindiesd.ops`` also uses them whenever
 autograd needs a gradient.
 """
@@ -15,6 +16,7 @@ import math
 
 import torch
 
+from ._layout import output_layout, restride
 from ._rules import (
     adalayernorm_rules,
     fast_gelu_rules,
@@ -29,9 +31,9 @@ _GELU_TANH_COEFFICIENT = math.sqrt(2.0 / math.pi)
 _GELU_TANH_CUBIC = 0.044715
 
 
-def _finish(result: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Round to the output dtype once and return a contiguous tensor."""
-    return result.to(dtype=out_dtype, memory_format=torch.contiguous_format)
+def _finish(result: torch.Tensor, out_dtype: torch.dtype, op: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """Round to the output dtype once, in the layout of the rule for ``op`` on ``inputs``."""
+    return restride(result.to(dtype=out_dtype), output_layout(op, inputs)[1])
 
 
 def rms_norm(
@@ -47,7 +49,7 @@ def rms_norm(
     result = values * torch.rsqrt(mean_square + eps)
     if weight is not None:
         result = result * weight.to(work_dtype)
-    return _finish(result, out_dtype)
+    return _finish(result, out_dtype, "rms_norm", x)
 
 
 def _rotate_pairs(values: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -92,7 +94,7 @@ def rope(
     cos_full = _full_width(cos.to(work_dtype), width, interleaved)
     sin_full = _full_width(sin.to(work_dtype), width, interleaved)
     result = values * cos_full + _rotate_pairs(values, interleaved) * sin_full
-    return _finish(result, out_dtype)
+    return _finish(result, out_dtype, "rope", x)
 
 
 def adalayernorm(
@@ -110,7 +112,7 @@ def adalayernorm(
     variance = centered.pow(2).mean(dim=-1, keepdim=True)
     normalized = centered * torch.rsqrt(variance + eps)
     result = normalized * (1 + scale.to(work_dtype)) + shift.to(work_dtype)
-    return _finish(result, out_dtype)
+    return _finish(result, out_dtype, "adalayernorm", x)
 
 
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -119,11 +121,11 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     values = x.to(work_dtype)
     inner = _GELU_TANH_COEFFICIENT * (values + _GELU_TANH_CUBIC * values.pow(3))
     result = 0.5 * values * (1 + torch.tanh(inner))
-    return _finish(result, out_dtype)
+    return _finish(result, out_dtype, "fast_gelu", x)
 
 
-def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """x * y + z with full broadcasting."""
+def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, addend_first: bool = False) -> torch.Tensor:
+    """x * y + z with full broadcasting, in the layout of eager's ``z + x * y`` when ``addend_first``."""
     _, out_dtype, work_dtype = mul_add_rules(x, y, z)
     result = x.to(work_dtype) * y.to(work_dtype) + z.to(work_dtype)
-    return _finish(result, out_dtype)
+    return _finish(result, out_dtype, "mul_add", x, y, z, addend_first)

@@ -2,9 +2,10 @@
 
 A rule's builder receives the match and emits the fused node (and any small helper nodes) through
 :class:`Emitter`, which computes each new node's example value with the graph's fake mode. The rewrite is kept
-only when the fused node's value has exactly the shape and dtype of the node it replaces; otherwise the new nodes
-are removed and the graph is left as it was. Shapes are compared with ``statically_known_true`` so that symbolic
-shapes (``dynamic=True``) never add guards after tracing: what cannot be proven equal is not fused.
+only when the fused node's value has exactly the shape, dtype and strides of the node it replaces (the layout
+rule of ``mindiesd.ops._layout``: a later ``view``, or the next compiled region's stride guards, depend on the
+strides); otherwise the new nodes are removed and the graph is left as it was. Sizes and strides are compared with ``statically_known_true`` so that symbolic shapes
+(``dynamic=True``) never add guards after tracing: what cannot be proven equal is not fused.
 """
 
 from __future__ import annotations
@@ -134,5 +135,9 @@ class FusionPass:
 
     @staticmethod
     def _same_result(fused: Node, original: Node) -> bool:
+        """Shape, dtype and strides equal: the fused value can stand wherever the replaced one was read."""
         new, old = tensor_val(fused), tensor_val(original)
-        return new is not None and old is not None and new.dtype == old.dtype and same_shape(new.shape, old.shape)
+        return (
+            new is not None and old is not None and new.dtype == old.dtype and new.device == old.device
+            and same_shape(new.shape, old.shape) and same_shape(new.stride(), old.stride())
+        )

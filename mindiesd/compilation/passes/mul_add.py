@@ -25,7 +25,8 @@ def _build(m, root, emit):
     product, out = tensor_val(m["product"]), tensor_val(root)
     if product.dtype != out.dtype or not out.dtype.is_floating_point:
         return None
-    return emit(torch.ops.mindiesd.mul_add.default, m["x"], m["y"], m["z"])
+    addend_first = root.args[0] is not m["product"]  # z + x * y: eager's layout follows z first
+    return emit(torch.ops.mindiesd.mul_add.default, m["x"], m["y"], m["z"], addend_first)
 
 
 class MulAddPass(FusionPass):

@@ -1,0 +1,153 @@
+"""The memory layout of every mindiesd op's output, and the adapter that gives each kernel that layout.
+
+A fused op replaces a sequence of aten ops, so it must return what that sequence returns: the same shape, dtype
+*and strides*; a later ``view`` in the model, or Dynamo's stride guards on the next compiled region, depend on
+them. The rule, the one eager's sequences follow (elementwise ops follow their inputs' layout):
+
+* ``rms_norm``, ``rope``, ``fast_gelu``: the layout of ``torch.empty_like(x)``: x's strides when x is dense
+  (a transposed or permuted view, channels-last), else dense strides in x's dimension order (a slice);
+* ``adalayernorm``: contiguous, as ``layer_norm``'s output is;
+* ``mul_add``: the layout eager's ``x * y + z`` gives (TensorIterator's rule, applied twice), or that of
+  ``z + x * y`` with ``addend_first`` (the operand order decides between layouts that differ).
+
+The fake kernels (tracing), the reference and every device kernel obey it. Device kernels are written for
+contiguous outputs; :func:`conform` runs them over the inputs permuted into the output's memory order, so the
+result comes out already in place, and copies only when no permutation gives the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ._rules import mul_add_rules
+
+__all__ = ["output_layout", "empty_output", "restride", "conform", "ROW_OPS"]
+
+#: Ops that work along the last dimension: a permutation may move every dimension but that one.
+ROW_OPS = frozenset({"rms_norm", "rope", "adalayernorm", "fast_gelu"})
+#: Positional arguments, per op, that broadcast against x and move with it under a permutation.
+_TABLE_ARGS = {"rms_norm": (1,), "rope": (1, 2), "adalayernorm": (1, 2), "fast_gelu": (), "mul_add": (0, 1, 2)}
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _meta(shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), tuple(strides), device="meta")
+
+
+@functools.lru_cache(maxsize=1024)
+def _like_layout(shape: tuple, strides: tuple) -> tuple:
+    return shape, torch.empty_like(_meta(shape, strides)).stride()
+
+
+@functools.lru_cache(maxsize=1024)
+def _mul_add_layout(x: tuple, y: tuple, z: tuple, addend_first: bool) -> tuple:
+    product = _meta(*x) * _meta(*y)
+    out = _meta(*z) + product if addend_first else product + _meta(*z)
+    return tuple(out.shape), out.stride()
+
+
+def _addend_first(args: Sequence) -> bool:
+    return bool(args[3]) if len(args) > 3 else False
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride()
+
+
+def _traced(t: torch.Tensor) -> bool:
+    return isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta"
+
+
+def output_layout(op: str, args: Sequence) -> tuple:
+    """(shape, strides) of ``op``'s output for input tensors ``args`` (the schema's order)."""
+    if _traced(args[0]):
+        out = empty_output(op, args, torch.float32)
+        return tuple(out.shape), out.stride()
+    if op == "mul_add":
+        try:
+            return _mul_add_layout(_key(args[0]), _key(args[1]), _key(args[2]), _addend_first(args))
+        except RuntimeError:
+            mul_add_rules(args[0], args[1], args[2])  # raises the op's own error, naming the shapes
+            raise
+    if op == "adalayernorm":
+        shape = tuple(args[0].shape)
+        return shape, contiguous_strides(shape)
+    return _like_layout(*_key(args[0]))
+
+
+def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised output of ``op`` with the layout of the rule, for fake and meta tensors as well.
+
+    The rule is evaluated on the inputs themselves, so symbolic sizes (``dynamic=True``) stay symbolic.
+    """
+    x = args[0]
+    if op == "mul_add":
+        product = args[0] * args[1]
+        template = args[2] + product if _addend_first(args) else product + args[2]
+        return torch.empty_strided(template.shape, template.stride(), dtype=dtype, device=x.device)
+    if op == "adalayernorm":
+        return x.new_empty(x.shape, dtype=dtype)
+    return torch.empty_like(x, dtype=dtype)
+
+
+def restride(result: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """``result`` itself when it has ``strides``, else a copy that has them (differentiable)."""
+    if result.stride() == strides:
+        return result
+    out = torch.empty_strided(result.shape, strides, dtype=result.dtype, device=result.device)
+    return out.copy_(result)
+
+
+def _memory_order(shape: Sequence[int], strides: Sequence[int]) -> list:
+    """Dimensions from outermost to innermost; among equal strides a size-1 dimension goes inside the other,
+    where a contiguous tensor of the permuted shape gives it the same stride."""
+    return sorted(range(len(shape)), key=lambda d: (-strides[d], shape[d] == 1, d))
+
+
+def _aligned(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[(None,) * (rank - t.dim())] if t.dim() < rank else t
+
+
+def conform(op: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``kernel`` (which returns a contiguous tensor) made to return the layout of the rule."""
+    tables = _TABLE_ARGS[op]
+    rows = op in ROW_OPS
+
+    arity = 3 if op == "mul_add" else None  # mul_add's kernels take no layout flag: the adapter applies it
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        if kwargs:
+            args = args + tuple(kwargs.values())
+        shape, strides = output_layout(op, args)
+        args = args[:arity] if arity else args
+        if strides == contiguous_strides(shape):
+            return restride(kernel(*args), strides)
+        order = _memory_order(shape, strides)
+        if rows and order[-1] != len(shape) - 1:
+            return restride(kernel(*args), strides)  # the normalised dimension is not innermost
+        moved = list(args)
+        if rows:
+            moved[0] = args[0].permute(order)
+        for i in tables:
+            if isinstance(args[i], torch.Tensor):
+                moved[i] = _aligned(args[i], len(shape)).permute(order)
+        result = kernel(*moved)
+        inverse = [0] * len(order)
+        for position, dim in enumerate(order):
+            inverse[dim] = position
+        return restride(result.permute(inverse), strides)
+
+    run.unconformed = kernel
+    return run
