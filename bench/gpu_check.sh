@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The CUDA check, one script for a machine with one NVIDIA GPU (under 5 minutes):
+#   bash bench/gpu_check.sh            # runs every step, prints one summary table, logs under $OUT
+#   bash bench/gpu_check.sh --dry-run  # prints the steps only
+# Steps: environment, CUDA tests (CUDA graphs; Triton kernels compiled for the GPU), the model bench with
+# device-graph capture on tiny and mid Flux (eager, mindiesd, mindiesd + capture, Inductor on tiny).
+# Without a GPU it says so and exits 0 after the environment step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-/tmp/gpu_check}"
+mkdir -p "$OUT_DIR"
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+
+STEPS=(
+  "tests|120|python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_triton_kernels.py tests/test_layout.py"
+  "flux_tiny_capture|60|python -m mindiesd bench --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
+  "flux_tiny_inductor|90|python -m mindiesd bench --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
+  "flux_mid_capture|90|python -m mindiesd bench --model flux --size mid --device cuda --capture --markdown --json $OUT_DIR/flux_mid.json"
+  "flux_mid_bf16_capture|90|python -m mindiesd bench --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
+)
+
+if (( DRY )); then
+  for step in "${STEPS[@]}"; do IFS='|' read -r name limit cmd <<<"$step"; echo "[$name, ${limit}s] $cmd"; done
+  exit 0
+fi
+
+{
+  echo "== environment"
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not found"
+  python - <<'PY'
+import importlib.util, sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda build", torch.version.cuda)
+print("cuda available:", torch.cuda.is_available(), "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+print("triton:", importlib.util.find_spec("triton") is not None)
+PY
+} 2>&1 | tee "$OUT_DIR/environment.txt"
+
+if ! python -c "import mindiesd, diffusers" 2>/dev/null; then
+  echo "== installing the project (torch kept as it is)"
+  python -m pip install -q -e ".[test]" 2>&1 | tail -3
+fi
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA device visible to torch (a CPU-only torch, or no GPU): nothing to measure"
+  exit 0
+fi
+
+declare -a SUMMARY
+for step in "${STEPS[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$step"
+  echo "== $name: $cmd"
+  start=$(date +%s.%N)
+  timeout "$limit" bash -c "$cmd" >"$OUT_DIR/$name.log" 2>&1
+  rc=$?
+  seconds=$(python -c "print(f'{$(date +%s.%N) - $start:.0f}')")
+  tail -15 "$OUT_DIR/$name.log"
+  case $rc in 0) status=ok ;; 124) status=timeout ;; *) status="failed($rc)" ;; esac
+  key=$(grep -E "passed|failed" "$OUT_DIR/$name.log" | tail -1)
+  [[ -z "$key" ]] && key=$(grep -E "^\| flux" "$OUT_DIR/$name.log" | tail -1 | cut -c1-160)
+  SUMMARY+=("| $name | $status | ${seconds}s | ${key:-see $name.log} |")
+done
+
+echo
+echo "== summary (logs in $OUT_DIR)"
+echo "| step | status | time | key figure |"
+echo "|---|---|---|---|"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.md"
