@@ -1,8 +1,10 @@
 """Device-graph capture semantics, on CPU through the simulated adapter (records captures and replays)."""
 
+import gc
 import logging
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -16,8 +18,11 @@ from mindiesd.compilation import (
     DeviceGraphUnavailableWarning,
     MindieSDBackend,
     SimulatedGraphAdapter,
+    clear_frozen_caches,
+    freezing,
     register_adapter,
 )
+from mindiesd.compilation import DanglingCaptureError
 
 
 @pytest.fixture
@@ -144,7 +149,11 @@ def test_weight_changed_in_place_is_captured_again(adapter, freezing):
     after = call(compiled, x)
     torch.testing.assert_close(after, model(x), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(before, after)
-    assert backend.runners[0].stats.recaptures == 1
+    stats = backend.runners[0].stats
+    if freezing:  # folded again: the capture reading the old folded constants is dropped, a new one made
+        assert (stats.captures, stats.released, len(backend.runners[0].signatures())) == (2, 1, 1)
+    else:
+        assert stats.recaptures == 1
 
 
 def test_one_compiled_graph_serving_two_instances(adapter):
@@ -304,3 +313,113 @@ def test_bench_capture_columns(adapter):
     assert row["capture_first_s"] > 0 and row["capture_ms"] > 0 and row["capture_speedup"] > 0
     assert adapter.captures == 1 and adapter.replays >= 3
     assert "captured_ms" in bench.format_table([row])
+
+
+# ---------------------------------------------------------------------------------------------- what a capture owns
+def test_simulated_adapter_detects_a_freed_read():
+    cache = {"table": torch.randn(4)}
+    runner = runner_for(lambda x: x * cache["table"])
+    x = torch.randn(4)
+    runner(x)
+    cache["table"] = torch.randn(4)  # the captured table is freed; a real graph would still read its address
+    with pytest.raises(DanglingCaptureError, match="freed since the capture"):
+        runner(x)
+
+
+def test_simulated_adapter_detects_a_moved_read():
+    table = torch.randn(4)
+    runner = runner_for(lambda x: x * table)
+    x = torch.randn(4)
+    runner(x)
+    table.data = torch.randn(4)
+    with pytest.raises(DanglingCaptureError, match="moved from"):
+        runner(x)
+
+
+def test_capture_owns_the_weights_it_reads_and_the_simulated_graph_does_not():
+    runner = runner_for(lambda w, x: x @ w, weights=(0,))
+    w, x = torch.randn(4, 4), torch.randn(2, 4)
+    alive = weakref.ref(w)
+    runner(w, x)
+    del w
+    gc.collect()
+    assert alive() is not None, "the capture holds what it replays the address of"
+    runner.clear()
+    gc.collect()
+    assert alive() is None, "nothing but the capture kept it"
+
+
+def eager(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_clear_frozen_caches_drops_the_captures_that_read_the_cleared_constants(adapter):
+    model = Block()
+    compiled, backend = captured(model)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        torch.testing.assert_close(call(compiled, x), eager(model, x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.freqs.data.copy_(torch.randn(16))  # bypasses the version counter, as the README says
+    clear_frozen_caches()
+    replays = adapter.replays
+    for _ in range(3):
+        torch.testing.assert_close(call(compiled, x), eager(model, x), rtol=1e-5, atol=1e-5)
+    runner = backend.runners[0]
+    assert adapter.replays - replays == 3
+    assert (runner.stats.captures, runner.stats.released, len(runner.signatures())) == (2, 1, 1)
+
+
+def test_fold_cache_eviction_never_leaves_a_capture_reading_evicted_constants(adapter, monkeypatch):
+    monkeypatch.setattr(freezing, "MAX_WEIGHT_SETS", 1)
+    backend = MindieSDBackend(CompilationConfig(aclgraph_with_compile=True))
+    first, second = Block(seed=1), Block(seed=2)
+    compiled = {first: torch.compile(first, backend=backend), second: torch.compile(second, backend=backend)}
+    x = torch.randn(4, 16)
+    for model in (first, first, second, second, first, first, second):
+        torch.testing.assert_close(call(compiled[model], x), eager(model, x), rtol=1e-5, atol=1e-5)
+    runner = backend.runners[0]
+    assert len(backend.runners) == 1 and adapter.replays == 7
+    assert runner.stats.captures == 4 and len(runner.signatures()) == 1
+
+
+def test_param_data_swapped_away_and_back_replays_live_constants(adapter):
+    model = Block()
+    compiled, backend = captured(model)
+    x = torch.randn(4, 16)
+    original = model.lin.weight.data
+    torch.testing.assert_close(call(compiled, x), eager(model, x), rtol=1e-5, atol=1e-5)
+    model.lin.weight.data = torch.randn(16, 16)
+    torch.testing.assert_close(call(compiled, x), eager(model, x), rtol=1e-5, atol=1e-5)
+    model.lin.weight.data = original
+    for _ in range(2):
+        torch.testing.assert_close(call(compiled, x), eager(model, x), rtol=1e-5, atol=1e-5)
+    assert adapter.replays == 4
+
+
+def test_signature_changes_when_folded_constants_are_recomputed(adapter):
+    model = Block()
+    compiled, backend = captured(model)
+    x = torch.randn(4, 16)
+    call(compiled, x)
+    runner = backend.runners[0]
+    (before,) = runner.signatures()
+    clear_frozen_caches()
+    call(compiled, x)
+    (after,) = runner.signatures()
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    assert before[-1][0] == "reads" and changed == [len(before) - 1], "only the folded constants' addresses changed"
+
+
+def test_replay_copies_activations_only_folded_constants_included(adapter):
+    model = Block(d=64)
+    compiled, backend = captured(model)
+    x = torch.randn(8, 64)
+    call(compiled, x)
+    runner = backend.runners[0]
+    assert backend.report().records[0].folded_constants >= 1
+    assert runner.stats.bytes_copied == x.nbytes, "the capture copied the activation, not the folded table"
+    for _ in range(3):
+        call(compiled, torch.randn(8, 64))
+    assert runner.stats.bytes_copied == 4 * x.nbytes

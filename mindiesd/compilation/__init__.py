@@ -20,6 +20,7 @@ from .config import (
     UnknownSettingError,
 )
 from .device_graph import (
+    DanglingCaptureError,
     DeviceGraphCaptureWarning,
     DeviceGraphRunner,
     DeviceGraphUnavailableWarning,
@@ -39,6 +40,7 @@ __all__ = [
     "MindieSDFallbackWarning",
     "DeviceGraphUnavailableWarning",
     "DeviceGraphCaptureWarning",
+    "DanglingCaptureError",
     "DeviceGraphRunner",
     "SimulatedGraphAdapter",
     "register_adapter",

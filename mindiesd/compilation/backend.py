@@ -27,7 +27,7 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .config import CompilationConfig
 from .device_graph import DeviceGraphRunner, wrap_for_capture
-from .freezing import split_constants
+from .freezing import FrozenGraph, split_constants
 from .graph_log import GraphLog, resolve_log_dir
 from .pass_manager import PassManager
 from .report import CompileReport, GraphRecord, fusion_report
@@ -84,8 +84,9 @@ class MindieSDBackend:
         record = GraphRecord(graph_id=next(_graph_ids), nodes_before=_node_count(gm))
         start = time.perf_counter()
         graph_log = GraphLog(resolve_log_dir(self.config.graph_log_url), record.graph_id)
+        frozen: List[FrozenGraph] = []
         try:
-            compiled = self._compile(gm, example_inputs, record, graph_log)
+            compiled = self._compile(gm, example_inputs, record, graph_log, frozen)
             compiled = _FallbackOnError(compiled, gm.forward, record, self.config.strict)
         except _DYNAMO_CONTROL_FLOW:
             raise  # Dynamo's own signals (restart the analysis, skip the frame): not failures
@@ -97,7 +98,7 @@ class MindieSDBackend:
             compiled = gm.forward
         compiled = wrap_for_capture(
             compiled, self.config, example_inputs, [i for i, t in enumerate(example_inputs) if _is_weight(t)],
-            label=f"graph {record.graph_id}",
+            label=f"graph {record.graph_id}", reads=_folded_reader(frozen[0]) if frozen else None,
         )
         if isinstance(compiled, DeviceGraphRunner):
             self.runners.append(compiled)
@@ -105,7 +106,8 @@ class MindieSDBackend:
         self._finish(record, graph_log)
         return compiled
 
-    def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog):
+    def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog,
+                 frozen_out: List[FrozenGraph]):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         config = self.config
@@ -123,6 +125,7 @@ class MindieSDBackend:
                 frozen = split_constants(aten_gm, weights)
             target = frozen.main if frozen is not None else aten_gm
             if frozen is not None:
+                frozen_out.append(frozen)
                 record.folded_constants = frozen.n_folded
                 graph_log.graph("freezing", target)
             record.matches = PassManager(families).run(target, graph_log)
@@ -150,6 +153,18 @@ class MindieSDBackend:
                 + (f"; FALLBACK {record.fallback}" if record.fallback else ""))
         log.info("%s", line)
         graph_log.summary(record.to_dict(), line)
+
+
+def _folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]:
+    """What a capture of the graph reads besides its arguments: the folded constants of these weights."""
+
+    def reads(*args: Any) -> Sequence[torch.Tensor]:
+        try:
+            return frozen.folded_for(args)
+        except Exception:  # the graph itself raises (and falls back) on the same call
+            return ()
+
+    return reads
 
 
 def _warn_fallback(message: str) -> None:

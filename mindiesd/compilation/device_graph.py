@@ -24,18 +24,22 @@ that signature run uncaptured, with a warning naming the cause.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import CompilationConfig
+from .freezing import add_release_listener
 
 log = logging.getLogger("mindiesd.compilation")
 
@@ -43,6 +47,7 @@ __all__ = [
     "DeviceGraphRunner",
     "DeviceGraphUnavailableWarning",
     "DeviceGraphCaptureWarning",
+    "DanglingCaptureError",
     "StreamGraphAdapter",
     "SimulatedGraphAdapter",
     "register_adapter",
@@ -99,22 +104,95 @@ class StreamGraphAdapter:
         return graph, outputs
 
 
+class DanglingCaptureError(RuntimeError):
+    """A replay would read a tensor that was freed or moved since the capture (a real graph reads stale memory)."""
+
+
+class _Read:
+    """A tensor a capture reads but did not produce: held weakly, with the address the graph recorded."""
+
+    __slots__ = ("ref", "ptr", "what")
+
+    def __init__(self, tensor: torch.Tensor, what: str):
+        self.ref = weakref.ref(tensor)
+        self.ptr = _address(tensor)
+        self.what = f"a {tensor.dtype} tensor of shape {list(tensor.shape)} {what}"
+
+    def problem(self) -> Optional[str]:
+        tensor = self.ref()
+        if tensor is None:
+            return f"{self.what} was freed since the capture"
+        ptr = _address(tensor)
+        if ptr != self.ptr:
+            return f"{self.what} moved from {self.ptr:#x} to {ptr:#x} since the capture"
+        return None
+
+
+def _address(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # no storage (a tensor subclass without data)
+        return 0
+
+
+class _ReadRecorder(TorchDispatchMode):
+    """Records every tensor an op reads that no earlier op of the same run produced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Dict[int, torch.Tensor] = {}  # strong only while recording, so ids stay unique
+        self.reads: List[_Read] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.seen:
+                self.seen[id(t)] = t
+                self.reads.append(_Read(t, f"read by {func}"))
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.seen.setdefault(id(t), t)
+        return out
+
+
 class _SimulatedGraph:
-    def __init__(self, adapter: "SimulatedGraphAdapter", fn: Callable[..., Any], args: Sequence[Any], outputs: Any):
-        self.adapter, self.fn, self.args, self.outputs = adapter, fn, list(args), outputs
+    """Holds what a real graph holds: addresses (here weak references), not the tensors themselves."""
+
+    def __init__(self, adapter: "SimulatedGraphAdapter", fn: Callable[..., Any], args: Sequence[Any],
+                 outputs: Any, reads: List[_Read]):
+        self.adapter, self.fn, self.reads = adapter, fn, reads
+        self.args = [_Read(a, f"passed as static input {i}") if isinstance(a, torch.Tensor) else a
+                     for i, a in enumerate(args)]
+        leaves, self.out_spec = pytree.tree_flatten(outputs)
+        self.outputs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in leaves]
+
+    def check(self) -> None:
+        """Raise :class:`DanglingCaptureError` if a tensor the capture reads was freed or moved."""
+        for read in itertools.chain(self.reads, (a for a in self.args if isinstance(a, _Read))):
+            problem = read.problem()
+            if problem is not None:
+                raise DanglingCaptureError(f"mindiesd: replaying a {self.adapter.name} graph would read stale "
+                                           f"memory: {problem}")
 
     def replay(self) -> None:
+        self.check()
         self.adapter.replays += 1
-        fresh = self.fn(*self.args)
-        for static, new in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(fresh)):
-            if isinstance(static, torch.Tensor):
+        fresh = self.fn(*[a.ref() if isinstance(a, _Read) else a for a in self.args])
+        for ref, new in zip(self.outputs, pytree.tree_leaves(fresh)):
+            static = ref() if ref is not None else None
+            if static is not None:
                 static.copy_(new)
 
 
 class SimulatedGraphAdapter:
     """A stand-in device graph for CPU: "capture" records the callable and its static buffers, "replay" runs it
     on those buffers and writes the results into the static outputs, as a real replay would. For tests and
-    for dry-running the capture logic on a machine without a device."""
+    for dry-running the capture logic on a machine without a device.
+
+    The capture run records every tensor the captured ops read without producing it; a replay raises
+    :class:`DanglingCaptureError` when one of them was freed or moved, where a real graph would read stale memory.
+    """
 
     name = "simulated"
 
@@ -127,9 +205,11 @@ class SimulatedGraphAdapter:
         for _ in range(warmup):
             self.warmups += 1
             fn(*args)
+        recorder = _ReadRecorder()
+        with recorder:
+            outputs = fn(*args)
         self.captures += 1
-        outputs = fn(*args)
-        return _SimulatedGraph(self, fn, args, outputs), outputs
+        return _SimulatedGraph(self, fn, args, outputs, recorder.reads), outputs
 
 
 AdapterFactory = Callable[[torch.device], Optional[Any]]
@@ -174,13 +254,19 @@ def _tensor_signature(t: torch.Tensor) -> Tuple[Any, ...]:
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
+def _stored_signature(t: torch.Tensor) -> Tuple[Any, ...]:
+    """A tensor read where it is: its address and how it is read."""
+    return (_address(t), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
 @dataclass
 class _Capture:
     graph: Any
-    static_inputs: List[Any]
+    static_inputs: List[Any]  # the activations' static buffers, and every weight argument itself
     outputs: Any
     weight_versions: Tuple[int, ...]
     signature: Tuple[Any, ...]
+    owned: Tuple[torch.Tensor, ...]  # tensors read that are not arguments (folded constants): kept alive here
 
 
 @dataclass
@@ -194,13 +280,28 @@ class RunnerStats:
     failed_captures: int = 0
     uncaptured_calls: int = 0
     bytes_copied: int = 0
+    released: int = 0  # captures dropped because tensors they read left the fold cache
+
+
+_live_runners: "weakref.WeakSet[DeviceGraphRunner]" = weakref.WeakSet()
+
+
+def _release_captures_reading(tensors: Sequence[torch.Tensor]) -> None:
+    ids = {id(t) for t in tensors}
+    for runner in list(_live_runners):
+        runner.release(ids)
+
+
+add_release_listener(_release_captures_reading)
 
 
 class DeviceGraphRunner:
     """Captures ``fn`` once per input signature and replays it.
 
     ``weight_indices`` are the positions of parameters, buffers and other inputs whose storage stays put
-    between calls: they are never copied, only checked.
+    between calls: they are never copied, only checked. ``reads(*args)``, where given, returns the tensors that
+    ``fn(*args)`` reads besides its arguments (the folded constants of those weights): their addresses are part of
+    the signature and each capture holds them, so a replay never reads memory that was freed or reused.
     """
 
     def __init__(
@@ -212,8 +313,9 @@ class DeviceGraphRunner:
         safe_outputs: bool,
         label: str = "graph",
         warmup: int = WARMUP_RUNS,
+        reads: Optional[Callable[..., Sequence[torch.Tensor]]] = None,
     ):
-        self.fn, self.adapter, self.label, self.warmup = fn, adapter, label, warmup
+        self.fn, self.adapter, self.label, self.warmup, self.reads = fn, adapter, label, warmup, reads
         self.weight_indices = tuple(weight_indices)
         self.max_graphs, self.safe_outputs = max_graphs, safe_outputs
         self.stats = RunnerStats()
@@ -221,9 +323,11 @@ class DeviceGraphRunner:
         self._uncapturable: set = set()
         self._lock = threading.RLock()
         self._weight_set = frozenset(self.weight_indices)
+        _live_runners.add(self)
 
     def __call__(self, *args: Any) -> Any:
-        signature = self.signature(args)
+        owned = tuple(self.reads(*args)) if self.reads is not None else ()
+        signature = self.signature(args, owned)
         with self._lock:
             capture = self._captures.get(signature)
             if capture is not None and capture.weight_versions != self._weight_versions(args):
@@ -235,7 +339,7 @@ class DeviceGraphRunner:
                 if signature in self._uncapturable:
                     self.stats.uncaptured_calls += 1
                     return self.fn(*args)
-                capture = self._capture(signature, args)
+                capture = self._capture(signature, args, owned)
                 if capture is None:
                     self.stats.uncaptured_calls += 1
                     return self.fn(*args)
@@ -249,16 +353,35 @@ class DeviceGraphRunner:
                 outputs = pytree.tree_map_only(torch.Tensor, torch.clone, outputs)
             return outputs
 
-    def signature(self, args: Sequence[Any]) -> Tuple[Any, ...]:
-        """Activations by shape, strides, dtype and device; weights by address; other values as they are."""
+    def signature(self, args: Sequence[Any], owned: Sequence[torch.Tensor] = ()) -> Tuple[Any, ...]:
+        """Activations by shape, strides, dtype and device; weights and other tensors read where they are, by
+        address and layout; other values as they are."""
         parts = []
         weights = self._weight_set
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                parts.append((a.data_ptr(), a.dtype, a.device) if i in weights else _tensor_signature(a))
+                parts.append(_stored_signature(a) if i in weights else _tensor_signature(a))
             else:
                 parts.append(a)
+        if owned:
+            parts.append(("reads",) + tuple(_stored_signature(t) for t in owned))
         return tuple(parts)
+
+    def signatures(self) -> List[Tuple[Any, ...]]:
+        """The signatures captured now, least recently used first."""
+        with self._lock:
+            return list(self._captures)
+
+    def release(self, tensor_ids: "set[int]") -> int:
+        """Drop the captures that read any of these tensors (by ``id``; they are leaving a cache)."""
+        with self._lock:
+            gone = [sig for sig, c in self._captures.items() if any(id(t) in tensor_ids for t in c.owned)]
+            for sig in gone:
+                del self._captures[sig]
+            self.stats.released += len(gone)
+        if gone:
+            log.info("%s: dropped %d capture(s) reading folded constants that left the cache", self.label, len(gone))
+        return len(gone)
 
     def _weight_versions(self, args: Sequence[Any]) -> Tuple[int, ...]:
         return tuple(args[i]._version for i in self.weight_indices if isinstance(args[i], torch.Tensor))
@@ -273,7 +396,8 @@ class DeviceGraphRunner:
                 copied += arg.nbytes
         self.stats.bytes_copied += copied
 
-    def _capture(self, signature: Tuple[Any, ...], args: Sequence[Any]) -> Optional[_Capture]:
+    def _capture(self, signature: Tuple[Any, ...], args: Sequence[Any],
+                 owned: Tuple[torch.Tensor, ...] = ()) -> Optional[_Capture]:
         static_inputs = [
             a if (i in self._weight_set or not isinstance(a, torch.Tensor))
             else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
@@ -293,7 +417,7 @@ class DeviceGraphRunner:
                 "this input signature runs uncaptured", DeviceGraphCaptureWarning, stacklevel=3,
             )
             return None
-        capture = _Capture(graph, static_inputs, outputs, self._weight_versions(args), signature)
+        capture = _Capture(graph, static_inputs, outputs, self._weight_versions(args), signature, owned)
         self._captures[signature] = capture
         self.stats.captures += 1
         log.info("%s: captured signature %d as a %s graph in %.2f s (%d kept)", self.label, self.stats.captures,
@@ -328,6 +452,7 @@ def wrap_for_capture(
     example_inputs: Sequence[Any] = (),
     weight_indices: Sequence[int] = (),
     label: str = "graph",
+    reads: Optional[Callable[..., Sequence[torch.Tensor]]] = None,
 ) -> Callable[..., Any]:
     """``fn`` behind a :class:`DeviceGraphRunner` when the settings ask for capture and the device has one."""
     if not config.capture:
@@ -344,4 +469,5 @@ def wrap_for_capture(
             _warned_unavailable.add(where)
             warnings.warn(message, DeviceGraphUnavailableWarning, stacklevel=2)
         return fn
-    return DeviceGraphRunner(fn, adapter, weight_indices, config.aclgraph_max_graphs, config.safe_output_mode, label)
+    return DeviceGraphRunner(fn, adapter, weight_indices, config.aclgraph_max_graphs, config.safe_output_mode, label,
+                             reads=reads)

@@ -10,6 +10,9 @@ compiled graph serving several module instances (a class-decorated block, ``comp
 each instance the result of its own weights, and weights replaced (``param.data = ...``) or modified in place
 (``load_state_dict``, ``with torch.no_grad(): p.copy_(...)``) are folded again before the next use.
 Writes through ``param.data.copy_(...)`` bypass the version counter; call :func:`clear_frozen_caches` after them.
+
+Whenever folded values leave the cache (cleared, evicted, or replaced by a new fold), the listeners added with
+:func:`add_release_listener` are told, so that device-graph captures reading them are dropped too.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.fx import Graph, GraphModule, Node
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["split_constants", "FrozenGraph", "clear_frozen_caches", "MAX_WEIGHT_SETS"]
+__all__ = ["split_constants", "FrozenGraph", "clear_frozen_caches", "add_release_listener", "MAX_WEIGHT_SETS"]
 
 #: How many weight sets one compiled graph keeps folded values for (least recently used evicted first).
 MAX_WEIGHT_SETS = 256
@@ -34,12 +37,25 @@ MAX_WEIGHT_SETS = 256
 _MAX_EXPANDED_NUMEL = 1 << 20
 
 _live_graphs: "weakref.WeakSet[FrozenGraph]" = weakref.WeakSet()
+_release_listeners: List[Callable[[Sequence[torch.Tensor]], None]] = []
 
 
 def clear_frozen_caches() -> None:
-    """Drop every cached folded value; the next call of each compiled graph folds again."""
+    """Drop every cached folded value, and the device-graph captures that read them; the next call folds again."""
     for frozen in list(_live_graphs):
         frozen.clear()
+
+
+def add_release_listener(listener: Callable[[Sequence[torch.Tensor]], None]) -> None:
+    """Call ``listener(tensors)`` with the folded values each time they leave a cache (while still alive)."""
+    if listener not in _release_listeners:
+        _release_listeners.append(listener)
+
+
+def _released(tensors: Sequence[torch.Tensor]) -> None:
+    if tensors:
+        for listener in list(_release_listeners):
+            listener(tensors)
 
 
 def _numel(value: Any) -> Optional[int]:
@@ -202,7 +218,9 @@ class FrozenGraph:
 
     def clear(self) -> None:
         with self._lock:
+            released = [t for entry in self._cache.values() for t in entry.folded]
             self._cache.clear()
+        _released(released)
 
     def folded_for(self, args: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
         weights = [args[i] for i in self.fold_inputs]
@@ -214,11 +232,15 @@ class FrozenGraph:
                 return entry.folded
         with torch.no_grad():
             folded = tuple(self.fold(*weights))
+        released: List[torch.Tensor] = []
         with self._lock:
+            replaced = self._cache.pop(key, None)
+            if replaced is not None:
+                released.extend(replaced.folded)
             self._cache[key] = _Entry(weights, folded)
-            self._cache.move_to_end(key)
             while len(self._cache) > MAX_WEIGHT_SETS:
-                self._cache.popitem(last=False)
+                released.extend(self._cache.popitem(last=False)[1].folded)
+        _released(released)
         log.debug("folded %d constants for a new weight set (%d cached)", len(folded), len(self._cache))
         return folded
 
