@@ -25,8 +25,9 @@ import torch
 import torch._dynamo
 
 from . import zoo
+from .families import FAMILIES as _FAMILIES
 
-FAMILIES = ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add")
+FAMILIES = tuple(_FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_ITERS = {"tiny": 20, "mid": 5}

@@ -7,9 +7,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from mindiesd import families
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
 
-FAMILIES = ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add")
+FAMILIES = tuple(families.FAMILIES)
 
 #: (rtol, atol) per dtype: eager rounds after every op in bf16/fp16, the fused ops round once.
 TOLERANCE = {

@@ -54,17 +54,19 @@ def test_misspelled_setting_lists_valid_names(target):
 
 
 def test_reading_unknown_setting_raises():
-    with pytest.raises(AttributeError):
+    with pytest.raises(UnknownSettingError, match="fusion_patterns has no setting 'enable_gelu'"):
         CompilationConfig.fusion_patterns.enable_gelu
-    with pytest.raises(AttributeError):
+    with pytest.raises(UnknownSettingError, match="CompilationConfig has no setting 'no_such_setting'"):
         CompilationConfig().no_such_setting
+    # an AttributeError too, so the usual probe with a default keeps working
+    assert getattr(CompilationConfig(), "no_such_setting", "fallback") == "fallback"
 
 
 @pytest.mark.parametrize("name,value", [("aclgraph_only", 1), ("enable_freezing", "yes"), ("graph_log_url", 3)])
 def test_wrong_type_raises(name, value):
     with pytest.raises(SettingTypeError, match=name):
         setattr(CompilationConfig, name, value)
-    with pytest.raises(SettingTypeError):
+    with pytest.raises(SettingTypeError, match=f"CompilationConfig.{name} must be"):
         CompilationConfig(**{name: value})
 
 
@@ -112,7 +114,7 @@ def test_priority_rule_aclgraph_with_compile_wins():
 
 
 def test_backend_rejects_non_config():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="config must be a CompilationConfig, got dict"):
         MindieSDBackend(config={"enable_freezing": False})
 
 
@@ -135,3 +137,75 @@ def test_settings_table_lists_every_setting():
     names = [name for name, _, _ in CompilationConfig.settings()]
     assert set(SPEC_DEFAULTS) <= set(names)
     assert {f"fusion_patterns.{s}" for s in SPEC_SWITCHES} <= set(names)
+
+
+# ---------------------------------------------------------------------------------------------- family registry
+def test_switches_and_passes_come_from_the_family_registry():
+    from mindiesd import families
+    from mindiesd.compilation.config import FAMILY_SWITCHES
+    from mindiesd.compilation.passes import PASSES
+    from mindiesd.ops import _library
+
+    assert list(families.FAMILIES) == list(PASSES) == list(FAMILY_SWITCHES) == list(_library.SCHEMAS)
+    assert [f.switch for f in families.FAMILIES.values()] == SPEC_SWITCHES
+    for name, fam in families.FAMILIES.items():
+        assert PASSES[name].family == name
+        assert _library.SCHEMAS[name].startswith(f"{name}(")
+        assert str(getattr(torch.ops.mindiesd, name).default._schema) == f"mindiesd::{fam.schema}"
+        settings = {name: (default, doc) for name, default, doc in CompilationConfig.settings()}
+        assert settings[f"fusion_patterns.{fam.switch}"] == (True, fam.doc)
+
+
+def test_family_skipped_where_its_kernel_is_not_faster_than_eager(monkeypatch):
+    from mindiesd.compilation.pass_manager import PassManager, skip_reason
+    from mindiesd.ops import _library, _npu
+
+    monkeypatch.setitem(_library.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
+    manager = PassManager(list(FAMILY_SWITCHES_ORDER), "npu")
+    assert sorted(manager.skipped) == ["adalayernorm", "fast_gelu", "mul_add"]
+    assert "reference composition" in manager.skipped["adalayernorm"]
+    assert [p.family for p in manager.passes] == ["rms_norm", "rope"]
+    # a kernel the user registers in place of the declared one counts as fast
+    monkeypatch.setitem(_library.DEVICE_KERNELS["npu"], "mul_add", lambda x, y, z: x * y + z)
+    assert skip_reason("mul_add", "npu") is None
+    monkeypatch.setitem(_library.DEVICE_KERNELS, "cuda", {})
+    assert "not registered" in skip_reason("rope", "cuda")
+    assert "no rope kernel for mps" in skip_reason("rope", "mps")
+    assert all(skip_reason(name, "cpu") is None for name in FAMILY_SWITCHES_ORDER)
+
+
+def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from mindiesd import families
+    from mindiesd.compilation import MindieSDBackend
+
+    gelu = families.FAMILIES["fast_gelu"]
+    slow = dataclasses.replace(gelu, kernels={**gelu.kernels, "cpu": families.Kernel("mindiesd.ops._cpu:fast_gelu",
+                                                                                    fast=False, note="too slow")})
+    monkeypatch.setitem(families.FAMILIES, "fast_gelu", slow)
+    monkeypatch.setitem(_cpu_registry(), "fast_gelu", _cpu_composition("fast_gelu"))
+    backend = MindieSDBackend(keep_graphs=True)
+    compiled = torch.compile(lambda x: F.gelu(F.rms_norm(x, [8]), approximate="tanh"), backend=backend)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(compiled(x), F.gelu(F.rms_norm(x, [8]), approximate="tanh"))
+    (record,) = backend.report().records
+    assert record.skipped == {"fast_gelu": "the cpu kernel is too slow"}
+    assert record.matches == {"rms_norm": 1, "rope": 0, "adalayernorm": 0, "mul_add": 0} and record.fallback is None
+
+
+FAMILY_SWITCHES_ORDER = ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add")
+
+
+def _cpu_registry():
+    from mindiesd.ops import _library
+
+    return _library.DEVICE_KERNELS["cpu"]
+
+
+def _cpu_composition(name):
+    from mindiesd.ops import _cpu
+
+    return _cpu.KERNELS[name]

@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .config import CompilationConfig
-from .device_graph import DeviceGraphRunner, wrap_for_capture
+from .device_graph import DeviceGraphRunner, _device_of, wrap_for_capture
 from .freezing import FrozenGraph, split_constants
 from .graph_log import GraphLog, resolve_log_dir
 from .pass_manager import PassManager
@@ -113,6 +113,7 @@ class MindieSDBackend:
         config = self.config
         families = config.fusion_patterns.enabled_families() if config.fuse else ()
         weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
+        device = _device_of(example_inputs)
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         )
@@ -128,7 +129,9 @@ class MindieSDBackend:
                 frozen_out.append(frozen)
                 record.folded_constants = frozen.n_folded
                 graph_log.graph("freezing", target)
-            record.matches = PassManager(families).run(target, graph_log)
+            passes = PassManager(families, device.type if device is not None else None)
+            record.skipped = dict(passes.skipped)
+            record.matches = passes.run(target, graph_log)
             target.graph.eliminate_dead_code()
             target.recompile()
             record.nodes_after = _node_count(target) + (_node_count(frozen.fold) if frozen is not None else 0)
@@ -150,6 +153,7 @@ class MindieSDBackend:
         fused = " ".join(f"{k}={v}" for k, v in record.matches.items()) or "no fusion"
         line = (f"graph {record.graph_id}: {fused}; nodes {record.nodes_before} -> {record.nodes_after}; "
                 f"{record.folded_constants} folded; {record.seconds:.2f} s"
+                + "".join(f"; {family} not fused: {why}" for family, why in record.skipped.items())
                 + (f"; FALLBACK {record.fallback}" if record.fallback else ""))
         log.info("%s", line)
         graph_log.summary(record.to_dict(), line)

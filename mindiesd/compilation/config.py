@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
 
+from ..families import FAMILIES
+
 __all__ = [
     "CompilationConfig",
     "FusionPatterns",
@@ -88,25 +90,15 @@ def _checked(owner: str, name: str, value: Any, fields: Dict[str, _Field]) -> An
 
 
 _FUSION_FIELDS: Dict[str, _Field] = {
-    "enable_rms_norm": _Field(True, _is_bool, "a bool", "Fuse RMSNorm (torch.nn.RMSNorm, F.rms_norm, diffusers RMSNorm)."),
-    "enable_rope": _Field(True, _is_bool, "a bool", "Fuse rotary position embeddings (interleaved, half-rotated, complex)."),
-    "enable_adalayernorm": _Field(True, _is_bool, "a bool", "Fuse adaLN modulation: layer_norm(x) * (1 + scale) + shift."),
-    "enable_fast_gelu": _Field(True, _is_bool, "a bool", "Fuse tanh-approximated GELU (aten.gelu or the explicit formula)."),
-    "enable_mul_add": _Field(True, _is_bool, "a bool", "Fuse x * y + z (incl. the residual gate x + gate * y)."),
+    family.switch: _Field(True, _is_bool, "a bool", family.doc) for family in FAMILIES.values()
 }
 
-#: Fusion family name -> the switch that enables it, in the order the passes run.
-FAMILY_SWITCHES: Dict[str, str] = {
-    "rms_norm": "enable_rms_norm",
-    "rope": "enable_rope",
-    "adalayernorm": "enable_adalayernorm",
-    "fast_gelu": "enable_fast_gelu",
-    "mul_add": "enable_mul_add",
-}
+#: Fusion family name -> the switch that enables it, in the order the passes run (from mindiesd.families).
+FAMILY_SWITCHES: Dict[str, str] = {name: family.switch for name, family in FAMILIES.items()}
 
 
 class FusionPatterns:
-    """Switches of the five fusion families, each on by default."""
+    """The ``enable_*`` switch of every fusion family (:data:`mindiesd.families.FAMILIES`), each on by default."""
 
     __slots__ = tuple(_FUSION_FIELDS)
 
@@ -205,7 +197,7 @@ class CompilationConfig(metaclass=_ConfigMeta):
     Class attributes are the global settings; an instance is an independent snapshot of them, optionally with
     overrides: ``CompilationConfig(aclgraph_with_compile=True)``. Settings:
 
-    - ``fusion_patterns``: the five ``enable_*`` switches (:class:`FusionPatterns`), all ``True``.
+    - ``fusion_patterns``: the ``enable_*`` switch of each family (:class:`FusionPatterns`), all ``True``.
     - ``aclgraph_only`` (``False``): device-graph capture without pattern fusion.
     - ``aclgraph_with_compile`` (``False``): pattern fusion, then device-graph capture; wins over ``aclgraph_only``.
     - ``aclgraph_max_graphs`` (``16``): captures kept per compiled graph, least recently used evicted.

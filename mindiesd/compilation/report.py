@@ -6,7 +6,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-from .config import FAMILY_SWITCHES
+from ..families import FAMILIES
 
 __all__ = ["GraphRecord", "CompileReport", "fusion_report", "reset_fusion_report"]
 
@@ -22,6 +22,7 @@ class GraphRecord:
     folded_constants: int = 0
     seconds: float = 0.0
     fallback: Optional[str] = None  # why the unfused graph runs, if it does
+    skipped: Dict[str, str] = field(default_factory=dict)  # enabled families not fused on this device, and why
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +51,7 @@ class CompileReport:
     @property
     def matches(self) -> Dict[str, int]:
         """Fused ops inserted per family, over all graphs (every family listed, zero included)."""
-        total = {family: 0 for family in FAMILY_SWITCHES}
+        total = {family: 0 for family in FAMILIES}
         for record in self.records:
             for family, count in record.matches.items():
                 total[family] = total.get(family, 0) + count

@@ -41,6 +41,7 @@ from types import ModuleType
 
 import torch
 
+from ..families import native_kernels
 from . import _cpu, _library, reference
 from ._rules import adalayernorm_rules, rms_norm_rules, rope_rules
 
@@ -373,13 +374,8 @@ def mul_add(x, y, z):
     return _FALLBACK["mul_add"](x, y, z)
 
 
-KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "rms_norm": rms_norm,
-    "rope": rope,
-    "adalayernorm": adalayernorm,
-    "fast_gelu": fast_gelu,
-    "mul_add": mul_add,
-}
+#: Op name -> C++ kernel wrapper, for the families that declare one (``Kernel.native`` in mindiesd.families).
+KERNELS: dict[str, Callable[..., torch.Tensor]] = native_kernels("cpu")
 
 
 def install() -> None:

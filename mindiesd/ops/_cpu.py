@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..families import device_kernels
 from . import reference
 from ._rules import (
     REDUCED_FLOAT_DTYPES,
@@ -260,10 +261,5 @@ def _without_autograd(kernel: Callable[..., torch.Tensor]) -> Callable[..., torc
     return run
 
 
-KERNELS = {
-    "rms_norm": _without_autograd(rms_norm),
-    "rope": _without_autograd(rope),
-    "adalayernorm": _without_autograd(adalayernorm),
-    "fast_gelu": _without_autograd(fast_gelu),
-    "mul_add": _without_autograd(mul_add),
-}
+#: Op name -> CPU kernel, for the families that declare one here (mindiesd.families).
+KERNELS = {name: _without_autograd(kernel) for name, kernel in device_kernels("cpu").items()}

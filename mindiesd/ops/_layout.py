@@ -22,14 +22,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..families import FAMILIES
 from ._rules import mul_add_rules
 
 __all__ = ["output_layout", "empty_output", "restride", "conform", "ROW_OPS"]
 
 #: Ops that work along the last dimension: a permutation may move every dimension but that one.
-ROW_OPS = frozenset({"rms_norm", "rope", "adalayernorm", "fast_gelu"})
+ROW_OPS = frozenset(name for name, family in FAMILIES.items() if family.rows)
 #: Positional arguments, per op, that broadcast against x and move with it under a permutation.
-_TABLE_ARGS = {"rms_norm": (1,), "rope": (1, 2), "adalayernorm": (1, 2), "fast_gelu": (), "mul_add": (0, 1, 2)}
+_TABLE_ARGS = {name: family.table_args for name, family in FAMILIES.items()}
+#: Per op, its layout rule (``like_x``, ``contiguous`` or ``broadcast``), from the family declaration.
+_LAYOUT = {name: family.layout for name, family in FAMILIES.items()}
+#: Per op, how many leading arguments its device kernels take (None: all of them).
+_ARITY = {name: (family.kernel_arity if family.kernel_arity >= 0 else None) for name, family in FAMILIES.items()}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -74,13 +79,14 @@ def output_layout(op: str, args: Sequence) -> tuple:
     if _traced(args[0]):
         out = empty_output(op, args, torch.float32)
         return tuple(out.shape), out.stride()
-    if op == "mul_add":
+    layout = _LAYOUT[op]
+    if layout == "broadcast":
         try:
             return _mul_add_layout(_key(args[0]), _key(args[1]), _key(args[2]), _addend_first(args))
         except RuntimeError:
             mul_add_rules(args[0], args[1], args[2])  # raises the op's own error, naming the shapes
             raise
-    if op == "adalayernorm":
+    if layout == "contiguous":
         shape = tuple(args[0].shape)
         return shape, contiguous_strides(shape)
     return _like_layout(*_key(args[0]))
@@ -92,11 +98,12 @@ def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
     The rule is evaluated on the inputs themselves, so symbolic sizes (``dynamic=True``) stay symbolic.
     """
     x = args[0]
-    if op == "mul_add":
+    layout = _LAYOUT[op]
+    if layout == "broadcast":
         product = args[0] * args[1]
         template = args[2] + product if _addend_first(args) else product + args[2]
         return torch.empty_strided(template.shape, template.stride(), dtype=dtype, device=x.device)
-    if op == "adalayernorm":
+    if layout == "contiguous":
         return x.new_empty(x.shape, dtype=dtype)
     return torch.empty_like(x, dtype=dtype)
 
@@ -124,7 +131,7 @@ def conform(op: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., torch
     tables = _TABLE_ARGS[op]
     rows = op in ROW_OPS
 
-    arity = 3 if op == "mul_add" else None  # mul_add's kernels take no layout flag: the adapter applies it
+    arity = _ARITY[op]  # kernels take no layout flag (mul_add's addend_first): the adapter applies it
 
     @functools.wraps(kernel)
     def run(*args, **kwargs):

@@ -7,6 +7,9 @@ than ``torch.library.custom_op``).  Every op gets
 * a fake kernel (shape/dtype only, symbolic-shape safe) for tracing,
 * a device kernel for each device type listed in ``DEVICE_KERNELS``.
 
+Which ops exist, their schemas, references and fakes, and which module holds each device's kernel are declared
+once per family in :mod:`mindiesd.families`.
+
 Device kernels for other backends are added by putting them in
 ``DEVICE_KERNELS`` before registration, or at run time with
 ``register_device_kernel``.  The ops have no autograd kernel: the Python API
@@ -19,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import _cpu, reference
+from ..families import FAMILIES, resolve
+from . import _cpu
 from ._layout import conform, empty_output
 from ._rules import (
     adalayernorm_rules,
@@ -31,21 +35,8 @@ from ._rules import (
 
 NAMESPACE = "mindiesd"
 
-SCHEMAS: dict[str, str] = {
-    "rms_norm": "rms_norm(Tensor x, Tensor? weight, float eps, ScalarType? out_dtype=None) -> Tensor",
-    "rope": "rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
-    "adalayernorm": "adalayernorm(Tensor x, Tensor scale, Tensor shift, float eps, ScalarType? out_dtype=None) -> Tensor",
-    "fast_gelu": "fast_gelu(Tensor x) -> Tensor",
-    "mul_add": "mul_add(Tensor x, Tensor y, Tensor z, bool addend_first=False) -> Tensor",
-}
-
-REFERENCE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "rms_norm": reference.rms_norm,
-    "rope": reference.rope,
-    "adalayernorm": reference.adalayernorm,
-    "fast_gelu": reference.fast_gelu,
-    "mul_add": reference.mul_add,
-}
+#: Op name -> schema, one op per fusion family (mindiesd.families).
+SCHEMAS: dict[str, str] = {name: family.schema for name, family in FAMILIES.items()}
 
 # Device type -> {op name -> kernel}.  Kernels take the op's schema arguments
 # positionally and return a contiguous tensor; they are registered behind
@@ -88,13 +79,12 @@ def _fake_mul_add(x, y, z, addend_first=False):
     return empty_output("mul_add", (x, y, z, addend_first), out_dtype)
 
 
-FAKE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "rms_norm": _fake_rms_norm,
-    "rope": _fake_rope,
-    "adalayernorm": _fake_adalayernorm,
-    "fast_gelu": _fake_fast_gelu,
-    "mul_add": _fake_mul_add,
-}
+def _implementations(attribute: str) -> dict[str, Callable[..., torch.Tensor]]:
+    return {name: resolve(getattr(family, attribute)) for name, family in FAMILIES.items()}
+
+
+REFERENCE_KERNELS: dict[str, Callable[..., torch.Tensor]] = _implementations("reference")
+FAKE_KERNELS: dict[str, Callable[..., torch.Tensor]] = _implementations("fake")
 
 
 def _dispatch_key(device_type: str) -> str:

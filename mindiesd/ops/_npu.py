@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ..families import device_kernels
 from . import reference
 from ._library import register_device_kernels
 from ._rules import promote, rms_norm_rules, rope_rules
@@ -264,13 +265,8 @@ def mul_add(x, y, z):
     return reference.mul_add(x, y, z)
 
 
-KERNELS = {
-    "rms_norm": rms_norm,
-    "rope": rope,
-    "adalayernorm": adalayernorm,
-    "fast_gelu": fast_gelu,
-    "mul_add": mul_add,
-}
+#: Op name -> NPU kernel, for the families that declare one for "npu" (mindiesd.families).
+KERNELS = device_kernels(DEVICE_TYPE)
 
 
 def register() -> bool:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..families import device_kernels
 from . import reference
 from ._library import register_device_kernels
 from ._rules import (
@@ -522,13 +523,8 @@ def mul_add(x, y, z):
     return out
 
 
-KERNELS = {
-    "rms_norm": rms_norm,
-    "rope": rope,
-    "adalayernorm": adalayernorm,
-    "fast_gelu": fast_gelu,
-    "mul_add": mul_add,
-}
+#: Op name -> Triton kernel, for the families that declare one for "cuda" (mindiesd.families).
+KERNELS = device_kernels(DEVICE_TYPE)
 
 
 def register() -> bool:

@@ -1,27 +1,17 @@
-"""The fusion passes, one per family, in the order they run.
-
-Order matters where forms overlap: RoPE and adaLN contain multiply-adds, so they run before mul_add, which would
-otherwise take their sums apart; rms_norm runs first since its output feeds RoPE.
-"""
+"""The fusion passes, one per family, in the order of :data:`mindiesd.families.FAMILIES` (which says why)."""
 
 from __future__ import annotations
 
 from typing import Dict, Type
 
-from .adalayernorm import AdaLayerNormPass
+from ...families import FAMILIES, resolve
 from .base import FusionPass, Rule
-from .fast_gelu import FastGeluPass
-from .mul_add import MulAddPass
-from .rms_norm import RMSNormPass
-from .rope import RoPEPass
 
-#: Family name -> pass class, in run order (the keys of config.FAMILY_SWITCHES, same order).
-PASSES: Dict[str, Type[FusionPass]] = {
-    "rms_norm": RMSNormPass,
-    "rope": RoPEPass,
-    "adalayernorm": AdaLayerNormPass,
-    "fast_gelu": FastGeluPass,
-    "mul_add": MulAddPass,
-}
+#: Family name -> pass class, in run order.
+PASSES: Dict[str, Type[FusionPass]] = {name: resolve(family.fusion_pass) for name, family in FAMILIES.items()}
+
+for _name, _cls in PASSES.items():
+    if _cls.family != _name:
+        raise RuntimeError(f"the pass of family {_name!r} ({_cls.__name__}) says it is {_cls.family!r}")
 
 __all__ = ["PASSES", "FusionPass", "Rule"]
