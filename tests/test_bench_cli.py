@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -52,10 +53,10 @@ def test_zoo_is_seeded():
 
 
 def test_zoo_rejects_unknown_names_and_sizes():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="unknown model 'unet'") as err:
         zoo.build("unet")
     assert all(name in str(err.value) for name in zoo.MODELS)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="unknown size 'huge'") as err:
         zoo.build("flux", size="huge")
     assert all(size in str(err.value) for size in zoo.SIZES)
 
@@ -86,15 +87,18 @@ def test_cli_defaults():
 def test_interleaved_medians_calls_each_runner_equally():
     calls = {"a": 0, "b": 0}
 
-    def make(name):
+    def make(name, seconds=0.0):
         def runner():
             calls[name] += 1
+            time.sleep(seconds)
 
         return runner
 
-    medians = bench.interleaved_medians({"a": make("a"), "b": make("b")}, iters=5, warmup=2)
+    medians = bench.interleaved_medians({"a": make("a"), "b": make("b", seconds=0.005)}, iters=5, warmup=2)
     assert calls == {"a": 7, "b": 7}
-    assert set(medians) == {"a", "b"} and all(v >= 0 for v in medians.values())
+    assert set(medians) == {"a", "b"}
+    assert medians["b"] >= 5.0, medians  # milliseconds: each call of b sleeps 5 ms
+    assert medians["a"] < medians["b"], medians
 
 
 def test_progress_plain_lines():
@@ -108,7 +112,7 @@ def test_progress_plain_lines():
 
 def test_progress_live_ticker_ends_with_elapsed():
     stream = io.StringIO()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^boom$"):  # the step's own error, not wrapped
         with bench.Progress(stream, live=True, interval=0.01).step("compiling"):
             raise RuntimeError("boom")
     assert stream.getvalue().endswith("s\n")
@@ -136,20 +140,23 @@ class _PassThroughBackend:
         return self._report
 
 
-def _assert_complete_row(row, vs_inductor=False):
+def _assert_complete_row(row, backend, vs_inductor=False):
     columns = bench.BASE_COLUMNS + (bench.INDUCTOR_COLUMNS if vs_inductor else ())
     missing = [c for c in columns if c not in row]
     assert not missing, missing
-    for family in bench.FAMILIES:
-        assert isinstance(row[family], int) and row[family] >= 0
+    matches = backend.report().matches
+    assert {f: row[f] for f in bench.FAMILIES} == {f: matches.get(f, 0) for f in bench.FAMILIES}
+    assert all(type(row[f]) is int for f in bench.FAMILIES)
     assert row["compile_s"] > 0 and row["eager_ms"] > 0 and row["mindiesd_ms"] > 0
     assert row["speedup"] == pytest.approx(row["eager_ms"] / row["mindiesd_ms"])
 
 
 def test_run_case_and_table_with_a_pass_through_backend():
     case = zoo.build("wan")
-    row = bench.run_case(case, iters=2, warmup=0, backend=_PassThroughBackend(), progress=bench.QuietProgress())
-    _assert_complete_row(row)
+    backend = _PassThroughBackend()
+    row = bench.run_case(case, iters=2, warmup=0, backend=backend, progress=bench.QuietProgress())
+    _assert_complete_row(row, backend)
+    assert all(row[f] == 0 for f in bench.FAMILIES)
     assert row["max_rel_err"] == 0.0 and row["graphs"] >= 1
     table = bench.format_table([row])
     header, rule, body = table.splitlines()
@@ -179,8 +186,10 @@ def test_run_case_flux_with_the_mindiesd_backend():
     except ImportError as exc:
         pytest.skip(f"mindiesd.compilation is not importable yet: {exc}")
     case = zoo.build("flux", "tiny", dtype=torch.float32)
-    row = bench.run_case(case, iters=2, warmup=0, backend=MindieSDBackend(), progress=bench.QuietProgress())
-    _assert_complete_row(row)
+    backend = MindieSDBackend()
+    row = bench.run_case(case, iters=2, warmup=0, backend=backend, progress=bench.QuietProgress())
+    _assert_complete_row(row, backend)
+    assert all(row[f] > 0 for f in bench.FAMILIES), "tiny Flux has sites of every family"
     assert row["graphs"] >= 1
     assert row["max_rel_err"] < 1e-4
 
@@ -198,10 +207,11 @@ def test_run_case_keeps_its_row_when_inductor_fails(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", compile_without_inductor)
     progress = bench.Progress(io.StringIO(), live=False)
+    backend = _PassThroughBackend()
     row = bench.run_case(
-        zoo.build("wan"), iters=1, warmup=0, vs_inductor=True, backend=_PassThroughBackend(), progress=progress
+        zoo.build("wan"), iters=1, warmup=0, vs_inductor=True, backend=backend, progress=progress
     )
-    _assert_complete_row(row, vs_inductor=True)
+    _assert_complete_row(row, backend, vs_inductor=True)
     assert row["inductor_ms"] is None and row["speed_vs_inductor"] is None
     assert "inductor failed on wan/tiny" in progress.stream.getvalue()
     assert "-" in bench.format_table([row]).splitlines()[2].split()

@@ -38,7 +38,7 @@ def test_class_level_assignment_as_in_the_spec():
 
 @pytest.mark.parametrize("target", ["class", "fusion", "instance"])
 def test_misspelled_setting_lists_valid_names(target):
-    with pytest.raises(UnknownSettingError) as info:
+    with pytest.raises(UnknownSettingError, match="has no setting") as info:
         if target == "class":
             CompilationConfig.enable_freezeing = False
         elif target == "fusion":

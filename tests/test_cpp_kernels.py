@@ -33,10 +33,20 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 WIDTHS = [40, 96, 1000]
 OP_NAMES = ["rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add"]
 
+#: Why this process runs without the C++ kernels by request (``MINDIESD_CPP_KERNELS=0``), or None.
+DISABLED_REASON = (
+    None
+    if _cpp_kernels.enabled()
+    else f"C++ kernels are disabled by {_cpp_kernels.ENABLE_ENV}={os.environ.get(_cpp_kernels.ENABLE_ENV)}"
+)
+requires_enabled = pytest.mark.skipif(DISABLED_REASON is not None, reason=DISABLED_REASON or "")
+
 
 @pytest.fixture(scope="module")
 def cpp():
     """The built C++ kernel module (built here on first use)."""
+    if DISABLED_REASON is not None:
+        pytest.skip(DISABLED_REASON)
     if not ops.build_cpu_kernels():
         pytest.skip(f"C++ CPU kernels unavailable: {_cpp_kernels.cpu_kernel_implementation()}")
     return _cpp_kernels.extension()
@@ -104,6 +114,7 @@ def leading_shape(rank):
 # ----------------------------------------------------------------------------
 
 
+@requires_enabled
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_cpp_wrappers_are_the_cpu_kernels(name):
     assert _library.DEVICE_KERNELS["cpu"][name] is _cpp_kernels.KERNELS[name]
@@ -402,6 +413,7 @@ def _simulate_missing_build(monkeypatch, tmp_path):
     _cpp_kernels._reset()
 
 
+@requires_enabled
 def test_failed_build_warns_once_and_uses_compositions(monkeypatch, tmp_path, restore_loader):
     _simulate_missing_build(monkeypatch, tmp_path)
 
@@ -427,6 +439,7 @@ def test_failed_build_warns_once_and_uses_compositions(monkeypatch, tmp_path, re
     assert ops.build_cpu_kernels() is False
 
 
+@requires_enabled
 def test_missing_compiler_names_the_cause(monkeypatch, tmp_path, restore_loader):
     _simulate_missing_build(monkeypatch, tmp_path)
     monkeypatch.setenv("CXX", "mindiesd-no-such-compiler")
@@ -499,11 +512,13 @@ def test_import_does_not_build():
         """
         import sys
         import mindiesd.ops
-        from mindiesd.ops import _cpp_kernels
-        assert not _cpp_kernels._resolved
+        from mindiesd.ops import _cpp_kernels, _library
+        assert _library.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpp_kernels.KERNELS["rms_norm"]  # installed
+        assert not _cpp_kernels._resolved  # but not built or loaded
         assert "torch.utils.cpp_extension" not in sys.modules
         print("ok")
-        """
+        """,
+        MINDIESD_CPP_KERNELS="1",  # enabled, whatever this process was started with
     )
     assert result.stdout.strip() == "ok"
     assert "building" not in result.stderr

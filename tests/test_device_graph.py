@@ -22,7 +22,8 @@ from mindiesd.compilation import (
     freezing,
     register_adapter,
 )
-from mindiesd.compilation import DanglingCaptureError
+from mindiesd.compilation import DanglingCaptureError, DeviceGraphUnavailableError
+from torch._dynamo.exc import BackendCompilerFailed
 
 
 @pytest.fixture
@@ -220,8 +221,9 @@ def test_cpu_without_adapter_warns_once_and_runs_uncaptured():
 
 def test_cpu_without_adapter_strict_raises():
     compiled, _ = captured(Block(), strict=True)
-    with pytest.raises(Exception, match="unavailable on cpu"):
+    with pytest.raises(BackendCompilerFailed, match="unavailable on cpu") as raised:
         call(compiled, torch.randn(3, 16))
+    assert isinstance(raised.value.inner_exception, DeviceGraphUnavailableError)
 
 
 def test_failed_capture_falls_back_for_that_signature(adapter, monkeypatch):

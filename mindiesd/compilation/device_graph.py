@@ -48,6 +48,7 @@ __all__ = [
     "DeviceGraphUnavailableWarning",
     "DeviceGraphCaptureWarning",
     "DanglingCaptureError",
+    "DeviceGraphUnavailableError",
     "StreamGraphAdapter",
     "SimulatedGraphAdapter",
     "register_adapter",
@@ -102,6 +103,10 @@ class StreamGraphAdapter:
                 graph.capture_end()
         current.wait_stream(side)
         return graph, outputs
+
+
+class DeviceGraphUnavailableError(RuntimeError):
+    """Capture was asked for (``strict=True``) on a device that has no device graph."""
 
 
 class DanglingCaptureError(RuntimeError):
@@ -464,7 +469,7 @@ def wrap_for_capture(
         message = (f"mindiesd: device-graph capture (aclgraph_only / aclgraph_with_compile) is unavailable on "
                    f"{where}; the compiled graph runs uncaptured")
         if config.strict:
-            raise RuntimeError(message)
+            raise DeviceGraphUnavailableError(message)
         if where not in _warned_unavailable:
             _warned_unavailable.add(where)
             warnings.warn(message, DeviceGraphUnavailableWarning, stacklevel=2)
