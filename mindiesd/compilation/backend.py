@@ -132,6 +132,7 @@ class MindieSDBackend:
             passes = PassManager(families, device.type if device is not None else None)
             record.skipped = dict(passes.skipped)
             record.matches = passes.run(target, graph_log)
+            record.rules = passes.rule_hits()
             target.graph.eliminate_dead_code()
             target.recompile()
             record.nodes_after = _node_count(target) + (_node_count(frozen.fold) if frozen is not None else 0)

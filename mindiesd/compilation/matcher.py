@@ -8,6 +8,11 @@ ops try both operand orders. A name bound twice must bind the same value, so sha
 Constants such as eps are read from the graph, not written into the pattern, so one pattern serves every eps,
 dtype and rank. A match also lists the nodes it would replace; :func:`is_self_contained` checks that none of
 them is used outside the match, so that a replacement never recomputes a value somebody else still needs.
+
+:class:`Alt` takes the *first* branch that matches (no backtracking into a later branch when an enclosing
+pattern then fails), so put the more specific branch first. :meth:`Pattern.roots` gives the targets a pattern's
+root node can have, so a pass tries only the rules that can match a node. :func:`explain` says why a pattern
+does not match a node: the sub-pattern where the match got furthest before failing.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "Pattern", "Op", "Var", "Lit", "Cast", "OutCast", "Alt", "Match", "match", "is_self_contained", "strip_casts",
-    "near", "val", "CAST_OPS",
+    "near", "val", "CAST_OPS", "explain",
 ]
 
 #: Ops that change only the dtype of a tensor (when called with a dtype alone).
@@ -45,6 +50,14 @@ class Match:
     bindings: Dict[str, Any] = field(default_factory=dict)
     interior: List[Node] = field(default_factory=list)  # replaced nodes, used only inside the match
     shared: List[Node] = field(default_factory=list)  # matched casts of inputs, which may have other users
+    #: When explaining a failure: (progress, what was expected, the value found) of every failed sub-pattern.
+    failures: Optional[List[Tuple[int, str, Any]]] = None
+
+    def fail(self, expected: str, value: Any) -> bool:
+        """Record a failed sub-pattern (when explaining) and return False."""
+        if self.failures is not None:
+            self.failures.append((len(self.interior) + len(self.shared) + len(self.bindings), expected, value))
+        return False
 
     def save(self) -> Tuple[Dict[str, Any], int, int]:
         return dict(self.bindings), len(self.interior), len(self.shared)
@@ -64,6 +77,13 @@ class Match:
 class Pattern:
     def match(self, value: Any, m: Match) -> bool:
         raise NotImplementedError
+
+    def roots(self) -> Optional[frozenset]:
+        """The targets (OpOverloads or packets) a matching root node can have; None when any node may match."""
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__
 
 
 PatternLike = Union[Pattern, int, float, bool, str, None, Sequence[Any]]
@@ -87,8 +107,9 @@ def _match_arg(pattern: PatternLike, value: Any, m: Match) -> bool:
             return False
         return all(_match_arg(p, v, m) for p, v in zip(pattern, value))
     if isinstance(value, Node):
-        return False
-    return type(pattern) is type(value) and pattern == value if isinstance(pattern, bool) else pattern == value
+        return m.fail(f"the literal {pattern!r}", value)
+    ok = type(pattern) is type(value) and pattern == value if isinstance(pattern, bool) else pattern == value
+    return ok or m.fail(f"the literal {pattern!r}", value)
 
 
 class Var(Pattern):
@@ -99,8 +120,11 @@ class Var(Pattern):
 
     def match(self, value: Any, m: Match) -> bool:
         if self.check is not None and not self.check(value):
-            return False
-        return _bind(m, self.name, value)
+            return m.fail(f"{self.describe()} accepted by its check", value)
+        return _bind(m, self.name, value) or m.fail(f"the value already bound to {self.name!r}", value)
+
+    def describe(self) -> str:
+        return f"Var({self.name!r})" if self.name else "Var()"
 
 
 class Lit(Pattern):
@@ -111,10 +135,13 @@ class Lit(Pattern):
 
     def match(self, value: Any, m: Match) -> bool:
         if isinstance(value, Node) or isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False
+            return m.fail(f"{self.describe()}, a Python number", value)
         if self.check is not None and not self.check(value):
-            return False
-        return _bind(m, self.name, value)
+            return m.fail(f"{self.describe()} accepted by its check", value)
+        return _bind(m, self.name, value) or m.fail(f"the value already bound to {self.name!r}", value)
+
+    def describe(self) -> str:
+        return f"Lit({self.name!r})" if self.name else "Lit()"
 
 
 def near(target: float, rel: float = 1e-6) -> Callable[[Any], bool]:
@@ -153,13 +180,21 @@ class Op(Pattern):
             return True
         return getattr(target, "overloadpacket", None) in self.packets
 
+    def roots(self) -> Optional[frozenset]:
+        return self.overloads | self.packets
+
+    def describe(self) -> str:
+        names = sorted(str(t) if t is not operator.getitem else "getitem" for t in self.overloads | self.packets)
+        return " or ".join(names)
+
     def match(self, value: Any, m: Match) -> bool:
         if not isinstance(value, Node) or value.op != "call_function" or not self._target_ok(value):
-            return False
+            return m.fail(f"a call of {self.describe()}", value)
         if self.name is not None and self.name in m.bindings:
-            return m.bindings[self.name] is value
+            return m.bindings[self.name] is value or m.fail(f"the node already bound to {self.name!r}", value)
         if len(value.args) != len(self.args) or not self.required <= set(value.kwargs) <= set(self.kwargs):
-            return False
+            return m.fail(f"{self.describe()} with {len(self.args)} arguments and keywords "
+                          f"{sorted(self.kwargs)} ({sorted(self.required)} required)", value)
         orders = [list(self.args)]
         if self.commutative and len(self.args) >= 2:
             orders.append([self.args[1], self.args[0], *self.args[2:]])
@@ -186,6 +221,13 @@ class Cast(Pattern):
     def __init__(self, inner: Pattern, lossy: bool = False, shared: bool = True):
         self.inner, self.lossy, self.shared = inner, lossy, shared
 
+    def roots(self) -> Optional[frozenset]:
+        inner = self.inner.roots()
+        return None if inner is None else inner | frozenset(CAST_OPS)
+
+    def describe(self) -> str:
+        return f"Cast({self.inner.describe()})"
+
     def match(self, value: Any, m: Match) -> bool:
         casts = []
         while _is_dtype_cast(value, self.lossy):
@@ -209,6 +251,18 @@ class Alt(Pattern):
 
     def __init__(self, *options: Pattern):
         self.options = options
+
+    def roots(self) -> Optional[frozenset]:
+        out: frozenset = frozenset()
+        for option in self.options:
+            roots = option.roots()
+            if roots is None:
+                return None
+            out |= roots
+        return out
+
+    def describe(self) -> str:
+        return "Alt(" + " | ".join(o.describe() for o in self.options) + ")"
 
     def match(self, value: Any, m: Match) -> bool:
         for option in self.options:
@@ -249,6 +303,25 @@ def match(pattern: Pattern, node: Node) -> Optional[Match]:
     if not pattern.match(node, m):
         return None
     return m
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Node):
+        target = value.target if value.op == "call_function" else value.op
+        return f"%{value.name} ({'getitem' if target is operator.getitem else target})"
+    return repr(value)
+
+
+def explain(pattern: Pattern, node: Node) -> Optional[str]:
+    """Why ``pattern`` does not match at ``node``: the sub-pattern the match got furthest with before it failed
+    (None when it matches)."""
+    m = Match(failures=[])
+    if pattern.match(node, m):
+        return None
+    if not m.failures:
+        return f"no match at {_show(node)}"
+    progress, expected, found = max(m.failures, key=lambda f: f[0])  # the first of the furthest failures
+    return f"expected {expected}, found {_show(found)}"
 
 
 #: Users that read only a tensor's metadata (dynamic=True adds them); they do not need its values.

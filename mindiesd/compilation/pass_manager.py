@@ -73,7 +73,8 @@ class PassManager:
         self.passes = [PASSES[name]() for name in PASSES if name in families and name not in self.skipped]
 
     def run(self, gm: GraphModule, graph_log: GraphLog) -> Dict[str, int]:
-        """Apply every pass to ``gm`` in place; returns the fused-op count per family."""
+        """Apply every pass to ``gm`` in place; returns the fused-op count per family (per rule in
+        :meth:`rule_hits`)."""
         matches: Dict[str, int] = {}
         debug = log.isEnabledFor(logging.DEBUG)
         for fusion in self.passes:
@@ -86,3 +87,7 @@ class PassManager:
                           fusion.family, matches[fusion.family], seconds, before, graph_text(gm))
             graph_log.pass_pair(fusion.family, before, gm)
         return matches
+
+    def rule_hits(self) -> Dict[str, int]:
+        """Rewrites per rule, as ``"family:rule"``, over the runs of this manager (rules that never fired left out)."""
+        return {f"{fusion.family}:{rule}": n for fusion in self.passes for rule, n in fusion.hits.items()}

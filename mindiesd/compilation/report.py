@@ -19,6 +19,7 @@ class GraphRecord:
     nodes_before: int = 0
     nodes_after: int = 0
     matches: Dict[str, int] = field(default_factory=dict)
+    rules: Dict[str, int] = field(default_factory=dict)  # rewrites per "family:rule"
     folded_constants: int = 0
     seconds: float = 0.0
     fallback: Optional[str] = None  # why the unfused graph runs, if it does
@@ -55,6 +56,15 @@ class CompileReport:
         for record in self.records:
             for family, count in record.matches.items():
                 total[family] = total.get(family, 0) + count
+        return total
+
+    @property
+    def rule_hits(self) -> Dict[str, int]:
+        """Rewrites per ``"family:rule"`` over all graphs (rules that fired)."""
+        total: Dict[str, int] = {}
+        for record in self.records:
+            for rule, count in record.rules.items():
+                total[rule] = total.get(rule, 0) + count
         return total
 
     @property

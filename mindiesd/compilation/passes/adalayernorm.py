@@ -37,16 +37,20 @@ _shifted = Alt(
 )
 
 
-def _build(m, root, emit):
+def _check(m, root):
     x = tensor_val(m["x"])
     if x is None or x.dim() == 0 or not x.dtype.is_floating_point:
-        return None
+        return "x is not a floating-point tensor of rank >= 1"
     shape = m["normalized_shape"]
     if not isinstance(shape, (list, tuple)) or len(shape) != 1 or shape[0] != x.shape[-1]:
-        return None
+        return f"the layer norm runs over {shape}, not the last dimension alone"
+    if tensor_val(m["scale"]) is None or tensor_val(m["shift"]) is None:
+        return "scale or shift is not a tensor"
+    return None
+
+
+def _build(m, root, emit):
     scale, shift = m["scale"], m["shift"]
-    if tensor_val(scale) is None or tensor_val(shift) is None:
-        return None
     if "reshape" in m.bindings:
         scale = emit(m["reshape"].target, scale, m["reshape_arg"])
     out_dtype = tensor_val(root).dtype
@@ -55,4 +59,4 @@ def _build(m, root, emit):
 
 class AdaLayerNormPass(FusionPass):
     family = "adalayernorm"
-    rules = (Rule("modulate", OutCast(_shifted), _build),)
+    rules = (Rule("modulate", OutCast(_shifted), _build, _check),)

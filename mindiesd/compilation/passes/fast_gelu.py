@@ -65,19 +65,25 @@ def _plus(node, m: Match) -> Optional[Tuple[object, object]]:
 class _ExplicitTanhGelu(Pattern):
     """Binds ``x`` when the value is the explicit tanh-GELU formula of x."""
 
+    def roots(self):
+        return frozenset(_MUL)
+
+    def describe(self) -> str:
+        return "0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))"
+
     def match(self, value, m: Match) -> bool:
         if not _is_call(value, _MUL):
-            return False
+            return m.fail("a multiplication", value)
         coeff, factors = _factors(value, m, True)
         if len(factors) != 2 or not near(0.5, 1e-6)(coeff):
-            return False
+            return m.fail("a product of 0.5 and two factors", value)
         for x, one_plus_tanh in (factors, factors[::-1]):
             state = m.save()
             if isinstance(x, Node) and self._is_one_plus_tanh_of(one_plus_tanh, x, m):
                 m.bindings["x"] = x
                 return True
             m.restore(state)
-        return False
+        return m.fail("x * (1 + tanh(...)) of one x", value)
 
     def _is_one_plus_tanh_of(self, node, x, m: Match) -> bool:
         terms = _plus(node, m)
@@ -104,16 +110,18 @@ class _ExplicitTanhGelu(Pattern):
         return False
 
 
-def _build(m, root, emit):
+def _check(m, root):
     x = tensor_val(m["x"])
-    if x is None or not x.dtype.is_floating_point:
-        return None
+    return None if x is not None and x.dtype.is_floating_point else "x is not a floating-point tensor"
+
+
+def _build(m, root, emit):
     return emit(torch.ops.mindiesd.fast_gelu.default, m["x"])
 
 
 class FastGeluPass(FusionPass):
     family = "fast_gelu"
     rules = (
-        Rule("aten_gelu_tanh", Op(aten.gelu.default, Var("x"), kwargs={"approximate": "tanh"}), _build),
-        Rule("explicit_formula", _ExplicitTanhGelu(), _build),
+        Rule("aten_gelu_tanh", Op(aten.gelu.default, Var("x"), kwargs={"approximate": "tanh"}), _build, _check),
+        Rule("explicit_formula", _ExplicitTanhGelu(), _build, _check),
     )

@@ -18,17 +18,22 @@ _product = Op(aten.mul.Tensor, Var("x"), Var("y"), name="product")
 _sum = Op(aten.add.Tensor, _product, Var("z"), commutative=True)
 
 
-def _build(m, root, emit):
-    x, y, z = (tensor_val(m[name]) for name in ("x", "y", "z"))
-    if x is None or y is None or z is None:
-        return None
+def _check(m, root):
+    if any(tensor_val(m[name]) is None for name in ("x", "y", "z")):
+        return "an operand is not a tensor"
     product, out = tensor_val(m["product"]), tensor_val(root)
-    if product.dtype != out.dtype or not out.dtype.is_floating_point:
-        return None
+    if not out.dtype.is_floating_point:
+        return f"the sum is {out.dtype}, not floating point"
+    if product.dtype != out.dtype:
+        return f"the product is {product.dtype} and the sum {out.dtype}: eager rounds twice"
+    return None
+
+
+def _build(m, root, emit):
     addend_first = root.args[0] is not m["product"]  # z + x * y: eager's layout follows z first
     return emit(torch.ops.mindiesd.mul_add.default, m["x"], m["y"], m["z"], addend_first)
 
 
 class MulAddPass(FusionPass):
     family = "mul_add"
-    rules = (Rule("mul_add", _sum, _build),)
+    rules = (Rule("mul_add", _sum, _build, _check),)

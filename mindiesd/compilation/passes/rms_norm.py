@@ -30,20 +30,26 @@ _normalized = Alt(
 _weighted = Op(aten.mul.Tensor, Cast(_normalized, lossy=True, shared=False), Cast(Var("weight")), commutative=True)
 
 
-def _build(m, root, emit):
+def _check(m, root):
     x = tensor_val(m["x"])
-    if x is None or not x.dtype.is_floating_point or x.dim() == 0 or not last_dim_index(m["dims"], x.dim()):
-        return None
+    if x is None or not x.dtype.is_floating_point or x.dim() == 0:
+        return "x is not a floating-point tensor of rank >= 1"
+    if not last_dim_index(m["dims"], x.dim()):
+        return f"the mean runs over dims {m['dims']}, not the last dimension alone"
     weight = m.get("weight")
     if weight is not None and tensor_val(weight) is None:
-        return None
+        return "the weight is not a tensor"
+    return None
+
+
+def _build(m, root, emit):
     out_dtype = tensor_val(root).dtype
-    return emit(torch.ops.mindiesd.rms_norm.default, m["x"], weight, float(m["eps"]), out_dtype=out_dtype)
+    return emit(torch.ops.mindiesd.rms_norm.default, m["x"], m.get("weight"), float(m["eps"]), out_dtype=out_dtype)
 
 
 class RMSNormPass(FusionPass):
     family = "rms_norm"
     rules = (
-        Rule("weighted", OutCast(_weighted), _build),
-        Rule("unweighted", OutCast(_normalized), _build),
+        Rule("weighted", OutCast(_weighted), _build, _check),
+        Rule("unweighted", OutCast(_normalized), _build, _check),
     )

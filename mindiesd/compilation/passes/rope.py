@@ -116,6 +116,7 @@ def _norm_dim(dim, rank):
 
 
 def _x_info(m):
+    """(x, D) when x is a floating-point tensor whose last dim is not provably odd, else None."""
     x = tensor_val(m["x"])
     if x is None or x.dim() < 1 or not x.dtype.is_floating_point:
         return None
@@ -125,6 +126,9 @@ def _x_info(m):
     if isinstance(d, int) and d % 2:
         return None
     return x, d
+
+
+_NO_X = "x is not a floating-point tensor with an even last dimension"
 
 
 def _pair_view_ok(m, x, d):
@@ -146,24 +150,28 @@ def _pairs_ok(m, x, d):
     return _pair_view_ok(m, x, d) and _norm_dim(m["pair_dim"], x.dim() + 1) == x.dim()
 
 
+def _tables_ok(*tables):
+    return all(tensor_val(t) is not None for t in tables)
+
+
 def _emit(m, root, emit, interleaved, cos, sin):
     out_dtype = tensor_val(root).dtype
-    for t in (cos, sin):
-        if tensor_val(t) is None:
-            return None
     return emit(torch.ops.mindiesd.rope.default, m["x"], cos, sin, interleaved, out_dtype=out_dtype)
 
 
-def _build_interleaved(m, root, emit):
+def _check_interleaved(m, root):
     info = _x_info(m)
     if info is None:
-        return None
+        return _NO_X
     x, d = info
-    rank = x.dim()
     if not _pairs_ok(m, x, d):
-        return None
-    if _norm_dim(m["stack_dim"], rank + 1) != rank or not same_shape(m["rot_shape"], x.shape):
-        return None
+        return "x is not viewed as [..., D/2, 2] and unbound along the pairs"
+    if _norm_dim(m["stack_dim"], x.dim() + 1) != x.dim() or not same_shape(m["rot_shape"], x.shape):
+        return "the rotated pairs are not stacked last and viewed back to x's shape"
+    return None if _tables_ok(m["cos"], m["sin"]) else "cos or sin is not a tensor"
+
+
+def _build_interleaved(m, root, emit):
     return _emit(m, root, emit, True, m["cos"], m["sin"])
 
 
@@ -186,42 +194,56 @@ def _halves_ok(m, x, d):
             and _reaches_end(m["hi_end"], d))
 
 
-def _build_half(m, root, emit):
+def _check_half(m, root):
     info = _x_info(m)
     if info is None:
-        return None
+        return _NO_X
     x, d = info
-    if _norm_dim(m["cat_dim"], x.dim()) != x.dim() - 1 or not _halves_ok(m, x, d):
-        return None
+    if _norm_dim(m["cat_dim"], x.dim()) != x.dim() - 1:
+        return "the rotated halves are not concatenated along the last dimension"
+    if not _halves_ok(m, x, d):
+        return "the halves are not x's two halves of its last dimension"
+    return None if _tables_ok(m["cos"], m["sin"]) else "cos or sin is not a tensor"
+
+
+def _build_half(m, root, emit):
     return _emit(m, root, emit, False, m["cos"], m["sin"])
 
 
-def _build_wan(m, root, emit):
+def _check_wan(m, root):
     info = _x_info(m)
     if info is None:
-        return None
+        return _NO_X
     x, d = info
     if not _pairs_ok(m, x, d) or _norm_dim(m["w_dim"], x.dim()) != x.dim() - 1 or not _reaches_end(m["w_end"], d):
-        return None
+        return "the even and odd outputs are not written over the whole last dimension of x"
     for name in ("cos", "sin"):
         t = tensor_val(m[name])
         if t is None or t.dim() == 0 or not (known_eq(t.shape[-1], d // 2) or known_eq(t.shape[-1], 1)):
-            return None
+            return f"{name} is not a per-pair table (last dim D/2 or 1)"
+    return None
+
+
+def _build_wan(m, root, emit):
     return _emit(m, root, emit, True, m["cos"], m["sin"])
 
 
-def _build_complex(m, root, emit):
+def _check_complex(m, root):
     info = _x_info(m)
     if info is None:
-        return None
+        return _NO_X
     x, d = info
     freqs = tensor_val(m["freqs"])
     if freqs is None or not freqs.dtype.is_complex or freqs.dim() == 0:
-        return None
+        return "freqs is not a complex tensor"
     if not _pair_view_ok(m, x, d) or not same_shape(m["out_shape"], x.shape):
-        return None
+        return "x is not viewed as [..., D/2, 2], or the result not viewed back to x's shape"
     if not (known_eq(freqs.shape[-1], d // 2) or known_eq(freqs.shape[-1], 1)):
-        return None
+        return "freqs is not a per-pair table (last dim D/2 or 1)"
+    return None
+
+
+def _build_complex(m, root, emit):
     as_real = emit(aten.view_as_real.default, m["freqs"])
     cos = emit(aten.select.int, as_real, -1, 0)
     sin = emit(aten.select.int, as_real, -1, 1)
@@ -231,11 +253,11 @@ def _build_complex(m, root, emit):
 class RoPEPass(FusionPass):
     family = "rope"
     rules = (
-        Rule("interleaved", _rotary_sum(_rot_interleaved), _build_interleaved),
-        Rule("half_unbind", _rotary_sum(_rot_half_unbind), _build_half),
-        Rule("half_split", _rotary_sum(_rot_half_split), _build_half),
-        Rule("half_slice", _rotary_sum(_rot_half_slice), _build_half),
-        Rule("wan_even_first", OutCast(_wan_even_first), _build_wan),
-        Rule("wan_odd_first", OutCast(_wan_odd_first), _build_wan),
-        Rule("complex", _complex, _build_complex),
+        Rule("interleaved", _rotary_sum(_rot_interleaved), _build_interleaved, _check_interleaved),
+        Rule("half_unbind", _rotary_sum(_rot_half_unbind), _build_half, _check_half),
+        Rule("half_split", _rotary_sum(_rot_half_split), _build_half, _check_half),
+        Rule("half_slice", _rotary_sum(_rot_half_slice), _build_half, _check_half),
+        Rule("wan_even_first", OutCast(_wan_even_first), _build_wan, _check_wan),
+        Rule("wan_odd_first", OutCast(_wan_odd_first), _build_wan, _check_wan),
+        Rule("complex", _complex, _build_complex, _check_complex),
     )
