@@ -132,8 +132,8 @@ def rope(
             )
             return _finish(out, out_dtype)
 
-    cos = reference._full_width(cos, width, interleaved)
-    sin = reference._full_width(sin, width, interleaved)
+    cos = reference.full_width(cos, width, interleaved)
+    sin = reference.full_width(sin, width, interleaved)
     if interleaved:
         first, second = slice(0, None, 2), slice(1, None, 2)
     else:

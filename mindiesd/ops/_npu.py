@@ -187,13 +187,8 @@ def _four_dims(shape) -> tuple[int, ...]:
 
 
 def _widen(table: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
-    """A 4-D full-width view (or, for a per-pair table, copy) of a cos/sin table."""
-    table = table.reshape(_four_dims(table.shape))
-    if table.shape[-1] == width:
-        return table
-    if interleaved:
-        return table.repeat_interleave(2, dim=-1)
-    return torch.cat((table, table), dim=-1)
+    """A 4-D full-width view (or, for a per-pair table, copy) of a cos/sin table of last dim D or D/2."""
+    return reference.full_width(table.reshape(_four_dims(table.shape)), width, interleaved)
 
 
 def rotary_mul_args(

@@ -65,7 +65,7 @@ def _rotate_pairs(values: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def _full_width(table: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
+def full_width(table: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
     """Expand a per-pair cos/sin table (D/2 values) to one value per element."""
     last = table.shape[-1]
     if last == width or last == 1:
@@ -91,8 +91,8 @@ def rope(
     out_dtype, work_dtype = rope_rules(x, cos, sin, out_dtype)
     width = x.shape[-1]
     values = x.to(work_dtype)
-    cos_full = _full_width(cos.to(work_dtype), width, interleaved)
-    sin_full = _full_width(sin.to(work_dtype), width, interleaved)
+    cos_full = full_width(cos.to(work_dtype), width, interleaved)
+    sin_full = full_width(sin.to(work_dtype), width, interleaved)
     result = values * cos_full + _rotate_pairs(values, interleaved) * sin_full
     return _finish(result, out_dtype, "rope", x)
 
