@@ -359,13 +359,14 @@ class DeviceGraphRunner:
             return outputs
 
     def signature(self, args: Sequence[Any], owned: Sequence[torch.Tensor] = ()) -> Tuple[Any, ...]:
-        """Activations by shape, strides, dtype and device; weights and other tensors read where they are, by
-        address and layout; other values as they are."""
+        """Activations by shape, strides, dtype and device; weights by address (Dynamo's guards already fix their
+        shape, strides and dtype); other tensors read where they are by address and layout; other values as they
+        are."""
         parts = []
         weights = self._weight_set
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                parts.append(_stored_signature(a) if i in weights else _tensor_signature(a))
+                parts.append(a.data_ptr() if i in weights else _tensor_signature(a))
             else:
                 parts.append(a)
         if owned:
