@@ -1,6 +1,9 @@
 """End to end on tiny diffusers DiTs beyond Flux, SD3 and Wan: compiled output equals eager, no fallback, and every
 fusible site of each family is fused.
 
+"No fallback" is checked by the shared runner for every case: no ``MindieSDFallbackWarning`` while compiling or
+running, and no record of ``backend.report()`` with a ``fallback``; either makes every test of the model fail.
+
 Each model is a real diffusers class built from a shrunken config with seeded random weights, run at batch 2 so
 that per-sample modulation tensors really broadcast. The expected counts are derived from the model's modules and
 the forward code of its blocks (documented per model below), not copied from a run. The fused ops are counted at
@@ -14,6 +17,7 @@ form named (see ``GAPS``), so the day the gap is closed the test says so.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -24,7 +28,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 from fusion_utils import FAMILIES, count_fused  # noqa: E402
-from mindiesd.compilation import MindieSDBackend  # noqa: E402
+from mindiesd.compilation import MindieSDBackend, MindieSDFallbackWarning  # noqa: E402
 
 BATCH = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -248,6 +252,60 @@ def _flux2():
     return model, inputs
 
 
+def _omnigen():
+    head_dim = 32
+    model = diffusers.OmniGenTransformer2DModel(
+        in_channels=4, patch_size=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=256, num_layers=2, pad_token_id=0, vocab_size=64, pos_embed_max_size=16,
+        time_step_dim=64,
+        rope_scaling={"short_factor": [1.0] * (head_dim // 2), "long_factor": [2.0] * (head_dim // 2)},
+    )
+    g = _gen()
+    text, image = 8, (8 // 2) * (8 // 2)
+    seq = text + 1 + image  # condition tokens, the time token, the output image's patches
+    inputs = dict(
+        hidden_states=_randn(BATCH, 4, 8, 8, g=g), timestep=torch.full((BATCH,), 0.5),
+        input_ids=torch.randint(1, 64, (BATCH, text), generator=g), input_img_latents=[], input_image_sizes={},
+        attention_mask=torch.ones(BATCH, seq, seq), position_ids=torch.arange(seq).repeat(BATCH, 1),
+    )
+    return model, inputs
+
+
+def _prx():
+    model = diffusers.PRXTransformer2DModel(
+        in_channels=4, patch_size=2, context_in_dim=64, hidden_size=128, mlp_ratio=2.0, num_heads=4, depth=2,
+        axes_dim=[16, 16],
+    )
+    g = _gen()
+    # Modulation starts at zero (every block an identity): random weights so that the blocks count
+    for block in model.blocks:
+        with torch.no_grad():
+            block.modulation.lin.weight.copy_(_randn(*block.modulation.lin.weight.shape, g=g) * 0.05)
+            block.modulation.lin.bias.copy_(_randn(*block.modulation.lin.bias.shape, g=g) * 0.05)
+    mask = torch.ones(BATCH, 8, dtype=torch.bool)
+    mask[1, 6:] = False
+    inputs = dict(
+        hidden_states=_randn(BATCH, 4, 8, 8, g=g), timestep=torch.full((BATCH,), 0.5),
+        encoder_hidden_states=_randn(BATCH, 8, 64, g=g), attention_mask=mask,
+    )
+    return model, inputs
+
+
+def _anyflow():
+    model = diffusers.AnyFlowTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=4,
+        text_dim=64, freq_dim=32, ffn_dim=256, num_layers=2, rope_max_seq_len=64,
+    )
+    g = _gen()
+    frames = 2
+    inputs = dict(
+        hidden_states=_randn(BATCH, frames, 4, 8, 8, g=g),  # (B, F, C, H, W)
+        timestep=torch.full((BATCH, frames), 500.0), r_timestep=torch.full((BATCH, frames), 250.0),
+        encoder_hidden_states=_randn(BATCH, 8, 64, g=g),
+    )
+    return model, inputs
+
+
 # -- expected counts -------------------------------------------------------------------------------------------
 
 
@@ -444,6 +502,43 @@ def expected_flux2(model):
     }
 
 
+def expected_omnigen(model):
+    n = len(model.layers)
+    return {
+        "rms_norm": _rms_norms(model),  # input_layernorm and post_attention_layernorm per block, the final norm
+        "rope": 2 * n,  # q and k of every block (half-rotated, use_real_unbind_dim=-2)
+        "adalayernorm": len(_modules(model, "AdaLayerNorm")),  # norm_out: LayerNorm without affine, chunk_dim=1
+        "fast_gelu": 0,  # SiLU-gated feed-forward
+        "mul_add": 0,  # the blocks are unmodulated: plain residual adds
+    }
+
+
+def expected_prx(model):
+    n = len(model.blocks)
+    return {
+        "rms_norm": _rms_norms(model),  # norm_q, norm_k of the image tokens and norm_added_k of the text, per block
+        "rope": 2 * n,  # image q and k of every block (a 2x2 matrix per pair)
+        # `(1 + scale) * norm(x) + shift`: img_pre_norm and post_attention_layernorm per block, the FinalLayer's
+        "adalayernorm": 2 * n + len(_modules(model, "FinalLayer")),
+        "fast_gelu": _tanh_gelus(model),  # mlp_act of every block (gated MLP)
+        "mul_add": 2 * n,  # gated residuals of attention and MLP
+    }
+
+
+def expected_anyflow(model):
+    n = len(model.blocks)
+    return {
+        "rms_norm": _rms_norms(model),  # norm_q and norm_k (across heads) of attn1 and attn2
+        "rope": 2 * n,  # q and k of attn1 (complex form, float64 table)
+        # fp32 norm1 and norm3 of every block with per-token modulation, and norm_out; norm2 is affine, unmodulated
+        "adalayernorm": 2 * n + 1,
+        "fast_gelu": _tanh_gelus(model),  # ffn of every block and the text embedder
+        # gated residuals of attn1 and ffn (the cross-attention residual is a plain add), and the condition
+        # embedder's timestep mix `(1 - gate) * temb + gate * delta_emb`
+        "mul_add": 2 * n + 1,
+    }
+
+
 @dataclass(frozen=True)
 class Spec:
     cls: str  # the diffusers class; the model's cases are skipped where this diffusers lacks it
@@ -469,15 +564,14 @@ MODELS: Dict[str, Spec] = {
     "chroma": Spec("ChromaTransformer2DModel", _chroma, expected_chroma),
     "skyreels_v2": Spec("SkyReelsV2Transformer3DModel", _skyreels_v2, expected_skyreels_v2),
     "flux2": Spec("Flux2Transformer2DModel", _flux2, expected_flux2),
+    "omnigen": Spec("OmniGenTransformer2DModel", _omnigen, expected_omnigen),
+    "prx": Spec("PRXTransformer2DModel", _prx, expected_prx),
+    "anyflow": Spec("AnyFlowTransformer3DModel", _anyflow, expected_anyflow),
 }
 
 _AFFINE_ADALN = (
     "CogVideoXLayerNormZero and AdaLayerNorm modulate an affine LayerNorm, native_layer_norm(x, [D], weight, bias) "
     "* (1 + scale) + shift; the adalayernorm rule requires a LayerNorm without weight and bias"
-)
-_HIDREAM_ROPE = (
-    "HiDream apply_rope, freqs[..., 0] * x_[..., 0] + freqs[..., 1] * x_[..., 1] with x_ = x.reshape(..., D/2, 1, 2) "
-    "(a 2x2 rotation matrix per pair), is none of the rope rules' forms"
 )
 #: (model, family) -> the unfused form behind the shortfall.
 GAPS: Dict[tuple, str] = {
@@ -487,10 +581,6 @@ GAPS: Dict[tuple, str] = {
         "LuminaLayerNormContinuous norm_out is native_layer_norm(x) * (1 + scale) without a shift; the "
         "adalayernorm rule requires the `+ shift`"
     ),
-    ("hidream", "rope"): _HIDREAM_ROPE,
-    ("hidream", "mul_add"): "mul_add fuses the two-term sums of the unfused rope instead: " + _HIDREAM_ROPE,
-    ("hidream_moe", "rope"): _HIDREAM_ROPE,
-    ("hidream_moe", "mul_add"): "mul_add fuses the two-term sums of the unfused rope instead: " + _HIDREAM_ROPE,
 }
 
 
@@ -504,7 +594,8 @@ class Run:
     at_run_time: Dict[str, int] = field(default_factory=dict)
     in_graphs: Dict[str, int] = field(default_factory=dict)
     graphs: int = 0
-    fallbacks: List[str] = field(default_factory=list)
+    fallbacks: List[str] = field(default_factory=list)  # the report's records that ran the unfused graph
+    fallback_warnings: List[str] = field(default_factory=list)  # MindieSDFallbackWarnings at compile or run time
     failure: Optional[BaseException] = None
 
 
@@ -545,16 +636,21 @@ def _run(name: str, dtype: torch.dtype) -> Run:
             run.expected = spec.expected(model)
             backend = MindieSDBackend(keep_graphs=True)
             compiled = torch.compile(model, backend=backend)
-            with torch.no_grad():
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
                 reference = _first(model(**inputs, return_dict=False))
-                actual = _first(compiled(**inputs, return_dict=False))
+                actual = _first(compiled(**inputs, return_dict=False))  # compiles, then runs
                 second, run.at_run_time = _fused_calls(lambda: _first(compiled(**inputs, return_dict=False)))
+            run.fallback_warnings = [str(w.message) for w in caught if issubclass(w.category, MindieSDFallbackWarning)]
+            run.fallbacks = [record.fallback for record in backend.report().records if record.fallback]
+            # a fallback runs the unfused graph: every count and comparison below would describe that graph
+            assert run.fallback_warnings == [], run.fallback_warnings
+            assert run.fallbacks == [], run.fallbacks
             assert actual.shape == reference.shape and actual.dtype == reference.dtype
             torch.testing.assert_close(second, actual, rtol=0, atol=0)  # the second call reruns the same graphs
             run.error = ((actual.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
             run.in_graphs = count_fused(backend)
             run.graphs = backend.report().graphs
-            run.fallbacks = backend.report().fallbacks
         except Exception as exc:  # reported by every test of this model and dtype
             run.failure = RuntimeError(f"{name} {dtype}: {type(exc).__name__}: {exc}")
             run.failure.__cause__ = exc
@@ -581,7 +677,7 @@ def _cases(with_families: bool):
 @pytest.mark.parametrize("name,dtype", list(_cases(with_families=False)))
 def test_compiled_matches_eager_without_fallback(name, dtype):
     run = _run(name, dtype)
-    assert run.fallbacks == []
+    assert run.fallbacks == [] and run.fallback_warnings == []
     assert run.error <= MAX_ERROR[dtype], run.error
 
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding in its four usual forms, all replaced by ``mindiesd.rope``.
+"""Rotary position embedding in its five usual forms, all replaced by ``mindiesd.rope``.
 
 - interleaved pairs (Flux ``apply_rotary_emb``): ``x*cos + rot(x)*sin`` with
   ``rot(x) = stack([-x_odd, x_even], -1).view(x.shape)``, ``x_even, x_odd = x.view(..., -1, 2).unbind(-1)``;
@@ -6,7 +6,11 @@
   taken by ``view(..., 2, -1).unbind(-2)``, by two slices or by ``chunk``;
 - Wan's strided form: the even and odd outputs written into ``empty_like(x)`` through ``slice_scatter`` with step 2,
   from per-pair cos/sin;
-- complex multiplication: ``view_as_real(view_as_complex(x.view(..., -1, 2)) * freqs).flatten(-2)``.
+- complex multiplication: ``view_as_real(view_as_complex(x.view(..., -1, 2)) * freqs).flatten(-2)``;
+- a 2x2 matrix per pair (the original Flux code, HiDream, PRX): ``x_ = x.reshape(..., D/2, 1, 2)``,
+  ``freqs[..., 0] * x_[..., 0] + freqs[..., 1] * x_[..., 1]`` with ``freqs`` of shape ``[..., D/2, 2, 2]``. Any
+  matrix ``M`` fits the fused op: with full-width tables ``cos = (M00, M11)`` and ``sin = (-M01, M10)`` per pair,
+  ``x*cos + rot(x)*sin`` is ``M @ (x_even, x_odd)``, so nothing about the table's values has to be proven.
 
 With and without fp32 upcast of the input; the fused op computes in fp32 and rounds once to the dtype of the
 replaced node.
@@ -106,6 +110,28 @@ _complex = OutCast(
                 commutative=True,
             ),
         ),
+        Var("out_shape"),
+    )
+)
+
+# -- 2x2 matrix per pair ---------------------------------------------------------------------------------------
+_x_pairs = Op(aten.view.default, Cast(_X), Var("pair_shape"), name="x_pairs")
+
+
+def _matrix_term(column):
+    """``freqs[..., column] * x_[..., column]``: column j of every pair's matrix times element j of the pair."""
+    return Op(
+        aten.mul.Tensor,
+        Op(aten.select.int, Cast(Var("freqs")), Lit("freqs_dim"), column, shared=True),
+        Op(aten.select.int, _x_pairs, Lit("x_dim"), column),
+        commutative=True,
+    )
+
+
+_matrix = OutCast(
+    Op(
+        aten.view.default,
+        Op(aten.add.Tensor, _matrix_term(0), _matrix_term(1), commutative=True, name="rotated"),
         Var("out_shape"),
     )
 )
@@ -250,6 +276,49 @@ def _build_complex(m, root, emit):
     return _emit(m, root, emit, True, cos, sin)
 
 
+def _check_matrix(m, root):
+    info = _x_info(m)
+    if info is None:
+        return _NO_X
+    x, d = info
+    rank = x.dim()
+    shape = m["pair_shape"]
+    if not (isinstance(shape, (list, tuple)) and len(shape) == rank + 2 and shape[-1] == 2 and shape[-2] == 1
+            and same_shape(shape[:-3], x.shape[:-1]) and (shape[-3] == -1 or known_eq(shape[-3], d // 2))):
+        return "x is not viewed as [..., D/2, 1, 2]"
+    if _norm_dim(m["x_dim"], rank + 2) != rank + 1:
+        return "the pair elements are not selected along the last dimension"
+    freqs = tensor_val(m["freqs"])
+    if (freqs is None or not freqs.dtype.is_floating_point or freqs.dim() < 3 or not known_eq(freqs.shape[-1], 2)
+            or not known_eq(freqs.shape[-2], 2) or not known_eq(freqs.shape[-3], d // 2)):
+        return "freqs is not a [..., D/2, 2, 2] table of floats"
+    if _norm_dim(m["freqs_dim"], freqs.dim()) != freqs.dim() - 1:
+        return "the matrix columns are not selected along the last dimension of freqs"
+    rotated = tensor_val(m["rotated"])
+    # the sum has x's leading dims exactly: freqs broadcasts into x without enlarging it
+    if rotated is None or not same_shape(rotated.shape, [*x.shape[:-1], d // 2, 2]):
+        return "freqs does not broadcast into x's leading dimensions"
+    if not same_shape(m["out_shape"], x.shape):
+        return "the rotated pairs are not viewed back to x's shape"
+    return None
+
+
+def _matrix_entry(emit, freqs, row, column):
+    return emit(aten.select.int, emit(aten.select.int, freqs, -1, column), -1, row)
+
+
+def _interleave(emit, even, odd):
+    """[..., D/2] even and odd entries -> [..., D] with even[i] at 2i and odd[i] at 2i + 1."""
+    return emit(aten.flatten.using_ints, emit(aten.stack.default, [even, odd], -1), -2, -1)
+
+
+def _build_matrix(m, root, emit):
+    freqs = m["freqs"]
+    cos = _interleave(emit, _matrix_entry(emit, freqs, 0, 0), _matrix_entry(emit, freqs, 1, 1))
+    sin = _interleave(emit, emit(aten.neg.default, _matrix_entry(emit, freqs, 0, 1)), _matrix_entry(emit, freqs, 1, 0))
+    return _emit(m, root, emit, True, cos, sin)
+
+
 class RoPEPass(FusionPass):
     family = "rope"
     rules = (
@@ -260,4 +329,5 @@ class RoPEPass(FusionPass):
         Rule("wan_even_first", OutCast(_wan_even_first), _build_wan, _check_wan),
         Rule("wan_odd_first", OutCast(_wan_odd_first), _build_wan, _check_wan),
         Rule("complex", _complex, _build_complex, _check_complex),
+        Rule("matrix", _matrix, _build_matrix, _check_matrix),
     )
