@@ -1,4 +1,4 @@
-"""Tests of the single-pass C++ CPU kernels (mindiesd/ops/_cpp) and their fallback.
+"""Tests of the single-pass C++ CPU kernels (mindiesd/ops/_cpp), their build (_cpp_build) and their fallback.
 
 The first test that needs the kernels builds them (about a minute, once per
 machine: later runs load the cached build).
@@ -6,7 +6,10 @@ machine: later runs load the cached build).
 
 from __future__ import annotations
 
+import inspect
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import mindiesd.ops as ops
-from mindiesd.ops import _cpp_kernels, _cpu, _library, reference
+from mindiesd.ops import _cpp_build, _cpp_kernels, _cpu, _library, reference
 from mindiesd.ops._rules import adalayernorm_rules, rms_norm_rules, rope_rules
 
 OPS = torch.ops.mindiesd
@@ -56,7 +59,7 @@ def cpp():
 def restore_loader():
     """Forget a simulated loader state afterwards, so later tests load the real build."""
     yield
-    _cpp_kernels._reset()
+    _cpp_build._reset()
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
@@ -118,6 +121,26 @@ def leading_shape(rank):
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_cpp_wrappers_are_the_cpu_kernels(name):
     assert _library.DEVICE_KERNELS["cpu"][name] is _cpp_kernels.KERNELS[name]
+
+
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_cpp_wrappers_keep_the_composition_signature(name):
+    wrapper = getattr(_cpp_kernels, name)
+    assert inspect.isfunction(wrapper) and wrapper.__name__ == name
+    assert inspect.signature(wrapper) == inspect.signature(_cpu.KERNELS[name])
+
+
+def test_cpp_wrappers_take_keywords_and_defaults():
+    x, weight = randn(3, 40), randn(40, seed=1)
+    expected = reference.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(_cpp_kernels.rms_norm(x, weight, 1e-6), expected)
+    torch.testing.assert_close(_cpp_kernels.rms_norm(x, weight, eps=1e-6, out_dtype=None), expected)
+    out = _cpp_kernels.rms_norm(x, weight, 1e-6, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    cos, sin = randn(40, seed=2), randn(40, seed=3)
+    torch.testing.assert_close(_cpp_kernels.rope(x, cos, sin, interleaved=True), reference.rope(x, cos, sin, True))
+    with pytest.raises(TypeError):
+        _cpp_kernels.fast_gelu(x, x)
 
 
 def test_kernels_report_their_capability(cpp):
@@ -396,7 +419,7 @@ def test_streamed_outputs(cpp, streaming, dtype, width):
 
 
 def test_streaming_threshold_follows_the_cache(cpp):
-    cache = _cpp_kernels._last_level_cache_bytes()
+    cache = _cpp_build._last_level_cache_bytes()
     if cache is None:
         pytest.skip("no cache size in sysfs")
     assert cpp.streaming_threshold() == cache * 3 // 4
@@ -409,8 +432,8 @@ def test_streaming_threshold_follows_the_cache(cpp):
 
 def _simulate_missing_build(monkeypatch, tmp_path):
     monkeypatch.setenv(_cpp_kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(_cpp_kernels, "_import_built", lambda name, directory: None)
-    _cpp_kernels._reset()
+    monkeypatch.setattr(_cpp_build, "_import_built", lambda name, directory: None)
+    _cpp_build._reset()
 
 
 @requires_enabled
@@ -419,10 +442,10 @@ def test_failed_build_warns_once_and_uses_compositions(monkeypatch, tmp_path, re
 
     def failing_compile(name, flags, directory):
         raise RuntimeError(
-            "Error building extension 'mindiesd'\nkernels.cpp:12:3: error: simulated failure"
+            "Error building extension 'mindiesd'\nrms_norm.cpp:12:3: error: simulated failure"
         )
 
-    monkeypatch.setattr(_cpp_kernels, "_compile", failing_compile)
+    monkeypatch.setattr(_cpp_build, "_compile", failing_compile)
     x, weight = randn(2, 5, 40), randn(40, seed=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -458,8 +481,8 @@ def test_lazy_init_is_thread_safe(monkeypatch, cpp, restore_loader):
         time.sleep(0.2)
         return real_module
 
-    monkeypatch.setattr(_cpp_kernels, "_load", slow_load)
-    _cpp_kernels._reset()
+    monkeypatch.setattr(_cpp_build, "_load", slow_load)
+    _cpp_build._reset()
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(_cpp_kernels.extension())) for _ in range(8)
@@ -476,7 +499,7 @@ def test_cache_key_names_the_capability(monkeypatch):
     names = {}
     for capability in ("AVX512", "AVX2", "DEFAULT"):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        monkeypatch.setattr(_cpp_kernels, "_has_avx512_bf16", lambda: False)
+        monkeypatch.setattr(_cpp_build, "_has_avx512_bf16", lambda: False)
         name, flags = _cpp_kernels.build_name()
         names[capability] = name
         assert f"_{capability.lower()}_" in name
@@ -488,11 +511,38 @@ def test_cache_key_names_the_capability(monkeypatch):
     assert len(set(names.values())) == 3
 
 
+def test_build_lists_every_source():
+    files = {path.name for path in _cpp_build.SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h")}
+    assert set(_cpp_build.SOURCES) | set(_cpp_build.HEADERS) == files
+    assert set(_cpp_build.SOURCES) == {name for name in files if name.endswith(".cpp")}
+    assert [path.name for path in _cpp_build.source_files()] == sorted(files)
+    # the package data ships them
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"_cpp/*.cpp", "_cpp/*.h"' in pyproject
+
+
+def test_cache_key_follows_every_source_and_header(monkeypatch, tmp_path):
+    sources = tmp_path / "_cpp"
+    shutil.copytree(_cpp_build.SOURCE_DIR, sources)
+    monkeypatch.setattr(_cpp_build, "SOURCE_DIR", sources)
+    names = {_cpp_build.build_name()[0]}
+    for file in _cpp_build.SOURCES + _cpp_build.HEADERS:
+        path = sources / file
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n// edited\n")
+        names.add(_cpp_build.build_name()[0])
+        path.write_bytes(original)
+    assert len(names) == 1 + len(_cpp_build.SOURCES + _cpp_build.HEADERS)
+    assert _cpp_build.build_name()[0] in names  # unchanged sources: the same key again
+    (sources / "extra.h").write_text("// a header not listed yet\n")
+    assert _cpp_build.build_name()[0] not in names
+
+
 def test_cache_folder_is_configurable(monkeypatch, tmp_path):
     monkeypatch.setenv(_cpp_kernels.CACHE_ENV, str(tmp_path))
     assert _cpp_kernels.cache_root() == tmp_path
     monkeypatch.delenv(_cpp_kernels.CACHE_ENV)
-    assert _cpp_kernels.cache_root() == _cpp_kernels.Path.home() / ".cache" / "mindiesd" / "cpp"
+    assert _cpp_kernels.cache_root() == pathlib.Path.home() / ".cache" / "mindiesd" / "cpp"
 
 
 def _run_python(script, **env):
@@ -512,9 +562,9 @@ def test_import_does_not_build():
         """
         import sys
         import mindiesd.ops
-        from mindiesd.ops import _cpp_kernels, _library
+        from mindiesd.ops import _cpp_build, _cpp_kernels, _library
         assert _library.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpp_kernels.KERNELS["rms_norm"]  # installed
-        assert not _cpp_kernels._resolved  # but not built or loaded
+        assert not _cpp_build._resolved  # but not built or loaded
         assert "torch.utils.cpp_extension" not in sys.modules
         print("ok")
         """,

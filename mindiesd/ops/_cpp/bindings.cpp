@@ -1,6 +1,6 @@
 // Python bindings of the single-pass CPU kernels (see kernels.h).
 //
-// Kept apart from kernels.cpp so that the two compile in parallel: the
+// Kept apart from the kernel sources so that they compile in parallel: the
 // Python and pybind11 headers take as long to parse as the kernels.
 
 #include "kernels.h"

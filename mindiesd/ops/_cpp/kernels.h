@@ -1,4 +1,6 @@
-// Entry points of the single-pass CPU kernels (kernels.cpp).
+// Entry points of the single-pass CPU kernels (one source per op: rms_norm.cpp,
+// adalayernorm.cpp, rope.cpp, fast_gelu.cpp, mul_add.cpp; the build and
+// streaming settings in common.cpp; helpers shared by them in common.h).
 //
 // Each returns a new contiguous output, or std::nullopt when it does not
 // cover the form of its inputs (the caller then uses another kernel).

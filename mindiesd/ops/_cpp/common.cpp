@@ -1,0 +1,94 @@
+// The per-call helpers of common.h, and the entry points of kernels.h that
+// describe the build and set the streaming threshold rather than run an op.
+
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+
+#include <string>
+
+#include <unistd.h>
+
+namespace mindiesd_cpu {
+
+int64_t default_streaming_threshold() {
+  long cache = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (cache <= 0) {
+    cache = 32L << 20;
+  }
+  return static_cast<int64_t>(cache) * 3 / 4;
+}
+
+bool broadcasts_into_rows(const Tensor& t, at::IntArrayRef x_sizes) {
+  if (t.dim() > static_cast<int64_t>(x_sizes.size())) {
+    return false;
+  }
+  const int64_t offset = static_cast<int64_t>(x_sizes.size()) - t.dim();
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    const int64_t size = t.size(d);
+    if (size != 1 && size != x_sizes[offset + d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarType dtype) {
+  if (t.dim() == 0) {
+    t = t.reshape({1});
+  }
+  if (t.scalar_type() != dtype) {
+    t = t.to(dtype);
+  }
+  if (t.size(-1) != width) {
+    std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+    sizes.back() = width;
+    t = t.expand(sizes).contiguous();
+  } else if (width > 1 && t.stride(-1) != 1) {
+    t = t.contiguous();
+  }
+  std::vector<int64_t> target(x_sizes.begin(), x_sizes.end());
+  target.back() = width;
+  return t.expand(target);
+}
+
+Tensor empty_output(const Tensor& x, at::IntArrayRef sizes, ScalarType dtype) {
+  return at::empty(sizes, x.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+}
+
+ScalarType parameter_dtype(ScalarType x_dtype, int64_t x_numel, std::initializer_list<const Tensor*> params) {
+  bool all_small = true;
+  for (const Tensor* p : params) {
+    if (p->scalar_type() != x_dtype) {
+      return ScalarType::Float;
+    }
+    all_small = all_small && is_small_operand(*p, x_numel);
+  }
+  return all_small ? ScalarType::Float : x_dtype;
+}
+
+#define MINDIESD_STRINGIFY_(x) #x
+#define MINDIESD_STRINGIFY(x) MINDIESD_STRINGIFY_(x)
+
+std::string capability() {
+  std::string name = MINDIESD_STRINGIFY(CPU_CAPABILITY);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  name += "+BF16";
+#endif
+  return name;
+}
+
+int64_t vector_lanes() {
+  return kLanes;
+}
+
+void set_streaming_threshold(int64_t bytes) {
+  streaming_threshold_bytes.store(bytes);
+}
+
+int64_t streaming_threshold() {
+  const int64_t bytes = streaming_threshold_bytes.load();
+  return bytes < 0 ? default_streaming_threshold() : bytes;
+}
+
+}  // namespace mindiesd_cpu

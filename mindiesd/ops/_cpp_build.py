@@ -1,0 +1,326 @@
+"""Build machinery of the C++ CPU kernels: cache folder, capability flags, compile, load, self-check.
+
+The kernels in ``_cpp/`` (one source per op, helpers shared in ``common.h``)
+read their input once and write one contiguous output (ATen ``Vectorized``
+arithmetic, ``at::parallel_for`` over rows; 16-bit values computed in float32
+and rounded once; outputs larger than 3/4 of the last-level cache written
+with non-temporal stores).  They are compiled with
+``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja) on the
+first call of a CPU kernel, or by ``mindiesd.ops.build_cpu_kernels()``, never
+at import, into a cache folder that later processes reuse:
+
+* ``MINDIESD_CPP_CACHE``: cache folder (default ``~/.cache/mindiesd/cpp``).
+* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``_cpu.py``.
+
+The build targets ATen's CPU capability of this machine
+(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or DEFAULT, plus
+AVX512-BF16 where the CPU has it) with the ISA flags ATen uses for that
+capability.  The capability, the torch and Python versions, the flags and a
+hash of every source and header name the cached build, so a build is only
+reused where it can run and only for the sources it was built from.  When no
+compiler or ninja is found or the build fails, one warning names the cause
+and :func:`extension` returns None.  The op wrappers that fall back to the
+composition kernels live in ``_cpp_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+__all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "enabled", "extension"]
+
+CACHE_ENV = "MINDIESD_CPP_CACHE"
+ENABLE_ENV = "MINDIESD_CPP_KERNELS"
+SOURCE_DIR = Path(__file__).with_name("_cpp")
+# The compiled sources (one per op, the build and streaming settings, the bindings) and the headers they
+# include; build_name() hashes all of them.
+SOURCES = ("rms_norm.cpp", "rope.cpp", "adalayernorm.cpp", "fast_gelu.cpp", "mul_add.cpp", "common.cpp",
+           "bindings.cpp")
+HEADERS = ("kernels.h", "common.h")
+# Wall time of the first build on a 2-core machine, for the progress line.
+ESTIMATED_BUILD_SECONDS = 30
+
+# ATen capability -> (cache tag, compiler flags), following ATen's own
+# per-capability kernel flags.
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+_CAPABILITY_FLAGS: dict[str, tuple[str, list[str]]] = {
+    "AVX512": ("avx512", _AVX512_FLAGS),
+    "AVX2": (
+        "avx2",
+        ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    ),
+}
+_DEFAULT_FLAGS: tuple[str, list[str]] = ("default", ["-DCPU_CAPABILITY=DEFAULT"])
+_COMMON_FLAGS = ["-O3", "-DNDEBUG", "-fopenmp"]
+_LINK_FLAGS = ["-fopenmp"]
+_READY_MARKER = "ready"
+
+_lock = threading.Lock()
+_extension: ModuleType | None = None
+_resolved = False
+_failure: str | None = None
+
+
+def cache_root() -> Path:
+    """Folder that holds the cached builds (``$MINDIESD_CPP_CACHE`` or ~/.cache/mindiesd/cpp)."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "mindiesd" / "cpp"
+
+
+def enabled() -> bool:
+    """False when ``MINDIESD_CPP_KERNELS`` asks for the composition kernels."""
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _capability() -> tuple[str, list[str]]:
+    """(cache tag, ISA flags) for ATen's CPU capability on this machine."""
+    try:
+        name = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001  (older torch or exotic platforms)
+        name = "DEFAULT"
+    machine = sysconfig.get_platform()
+    if "x86_64" not in machine and "amd64" not in machine.lower():
+        return _DEFAULT_FLAGS
+    for prefix, flags in _CAPABILITY_FLAGS.items():
+        if name.upper().startswith(prefix):
+            if prefix == "AVX512" and _has_avx512_bf16():
+                # Native float32 -> bfloat16 rounding (vcvtne2ps2bf16).
+                return "avx512bf16", _AVX512_FLAGS + ["-mavx512bf16"]
+            return flags
+    return _DEFAULT_FLAGS
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    except Exception:  # noqa: BLE001  (absent in some torch versions)
+        return False
+
+
+def source_files() -> list[Path]:
+    """Every file a build reads: SOURCES, HEADERS and any other ``.cpp``/``.h`` in ``_cpp/``, sorted."""
+    listed = {SOURCE_DIR / file for file in SOURCES + HEADERS}
+    return sorted(listed | set(SOURCE_DIR.glob("*.cpp")) | set(SOURCE_DIR.glob("*.h")))
+
+
+def build_name() -> tuple[str, list[str]]:
+    """(extension name, compiler flags); the name is the cache key of the build.
+
+    It hashes the name and content of every file of :func:`source_files`, so that any edit of a source or
+    header builds anew.
+    """
+    tag, isa_flags = _capability()
+    flags = _COMMON_FLAGS + isa_flags
+    digest = hashlib.sha256()
+    for path in source_files():
+        content = path.read_bytes()
+        digest.update(f"{path.name}\0{len(content)}\0".encode() + content)
+    for part in (torch.__version__, str(torch.version.git_version), sys.implementation.cache_tag,
+                 sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(flags)):
+        digest.update(b"\0" + part.encode())
+    return f"mindiesd_cpu_kernels_{tag}_{digest.hexdigest()[:16]}", flags
+
+
+def _import_built(name: str, directory: Path) -> ModuleType | None:
+    """Import an already-built extension from ``directory``, or None."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if not (directory / _READY_MARKER).exists():
+        return None
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for candidate in (directory / f"{name}.so", directory / f"{name}{suffix}"):
+        if candidate.exists():
+            loader = importlib.machinery.ExtensionFileLoader(name, str(candidate))
+            spec = importlib.util.spec_from_file_location(name, candidate, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            sys.modules[name] = module
+            return module
+    return None
+
+
+def _missing_tool() -> str | None:
+    """The reason a build cannot start (no compiler, no ninja), or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler found (looked for {compiler!r}; set CXX to choose one)"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _compile(name: str, flags: list[str], directory: Path) -> ModuleType:
+    """Build the extension into ``directory`` and import it (raises on failure)."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE_DIR / file) for file in SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=_LINK_FLAGS,
+        build_directory=str(directory),
+        verbose=False,
+    )
+    marker = directory / f"{_READY_MARKER}.{os.getpid()}"
+    marker.write_text(f"{torch.__version__}\n")
+    marker.replace(directory / _READY_MARKER)
+    return module
+
+
+def _last_level_cache_bytes() -> int | None:
+    """Size of the last-level cache one core sees (Linux sysfs), or None."""
+    best_level, best_size = 0, None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+        if level > best_level:
+            best_level, best_size = level, size
+    return best_size
+
+
+def _configure(module: ModuleType) -> None:
+    """Stream (non-temporal stores) outputs of at least 3/4 of the last-level cache."""
+    cache = _last_level_cache_bytes()
+    if cache:
+        module.set_streaming_threshold(cache * 3 // 4)
+
+
+def _self_check(module: ModuleType) -> None:
+    """Compare each kernel with the reference on a small input (raises on mismatch)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 40, generator=generator)
+    w = torch.randn(40, generator=generator)
+    scale, shift = torch.randn(3, 1, 40, generator=generator), torch.randn(40, generator=generator)
+    cos, sin = torch.randn(2, 20, generator=generator), torch.randn(2, 20, generator=generator)
+    checks = {
+        "rms_norm": (module.rms_norm(x, w, 1e-6, torch.float32), reference.rms_norm(x, w, 1e-6)),
+        "adalayernorm": (
+            module.adalayernorm(x, scale, shift, 1e-6, torch.float32),
+            reference.adalayernorm(x, scale, shift, 1e-6),
+        ),
+        "rope": (module.rope(x, cos, sin, True, torch.float32), reference.rope(x, cos, sin, True)),
+        "fast_gelu": (module.fast_gelu(x), reference.fast_gelu(x)),
+        "mul_add": (module.mul_add(x, scale, w), reference.mul_add(x, scale, w)),
+    }
+    for op, (actual, expected) in checks.items():
+        if actual is None or not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(
+                f"self-check of {op} failed: the built kernel disagrees with the reference"
+            )
+
+
+def _load() -> ModuleType | None:
+    """Import the cached build or build it; on failure warn once and return None."""
+    global _failure
+    if not enabled():
+        _failure = f"disabled by {ENABLE_ENV}={os.environ.get(ENABLE_ENV)}"
+        return None
+    try:
+        name, flags = build_name()
+        directory = cache_root() / name
+        module = None
+        try:
+            module = _import_built(name, directory)
+        except Exception:  # noqa: BLE001  (a damaged cache entry is rebuilt)
+            module = None
+        if module is None:
+            missing = _missing_tool()
+            if missing is not None:
+                raise RuntimeError(missing)
+            print(
+                f"mindiesd: building mindiesd CPU kernels (one-time, ~{ESTIMATED_BUILD_SECONDS} s) "
+                f"into {directory}",
+                file=sys.stderr,
+                flush=True,
+            )
+            start = time.perf_counter()
+            module = _compile(name, flags, directory)
+            print(
+                f"mindiesd: CPU kernels built in {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        _configure(module)
+        _self_check(module)
+        return module
+    except Exception as error:  # noqa: BLE001  (never fail the op: fall back)
+        _failure = _summarize(error)
+        warnings.warn(
+            f"mindiesd: the C++ CPU kernels are unavailable ({_failure}); "
+            "using the aten composition kernels instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _summarize(error: BaseException) -> str:
+    """A short cause: the first compiler error line when there is one."""
+    text = str(error).strip() or type(error).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "error:" in line or "fatal error" in line:
+            return f"build failed: {line}"
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def extension() -> ModuleType | None:
+    """The loaded C++ kernel module (building it on first use), or None."""
+    global _extension, _resolved
+    if _resolved:
+        return _extension
+    with _lock:
+        if not _resolved:
+            _extension = _load()
+            _resolved = True
+    return _extension
+
+
+def build_cpu_kernels() -> bool:
+    """Build (or load the cached build of) the C++ CPU kernels now.
+
+    Returns True when they are active, False when the composition kernels
+    stay in place (the warning says why).
+    """
+    return extension() is not None
+
+
+def cpu_kernel_implementation() -> str:
+    """Which CPU kernels run: 'C++ (<capability>)' or 'composition (<reason>)'."""
+    module = extension()
+    if module is not None:
+        return f"C++ ({module.capability()}, {module.vector_lanes} float lanes)"
+    return f"composition ({_failure or 'C++ kernels unavailable'})"
+
+
+def _reset() -> None:
+    """Forget the loaded module so the next call loads again (for tests)."""
+    global _extension, _resolved, _failure
+    with _lock:
+        _extension, _resolved, _failure = None, False, None
