@@ -1,0 +1,182 @@
+"""One matrix: every implementation of every op, on the same cases, against the reference.
+
+Implementations: the reference itself (the definition of correct), the aten compositions (``_cpu``), the C++
+kernels, the Triton kernels (in Triton's interpreter, in a subprocess: Triton fixes that mode when first
+imported) and the Ascend mapping over a stand-in ``torch_npu`` (``test_npu_mapping.StandInTorchNpu``). Each is
+called as the dispatcher calls it, behind the layout adapter, so a case checks values, dtype, shape and the
+strides of the layout rule (``mindiesd.ops._layout``). The cases come from the family registry's op names:
+a family without cases here fails ``test_every_op_has_cases``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindiesd import families
+from mindiesd.ops import _cpu, reference
+from mindiesd.ops._layout import conform, output_layout
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: (rtol, atol) against the reference, which also computes in fp32 and rounds once: one step of the dtype
+#: (Triton's interpreter truncates to bf16 where GPUs round to nearest).
+TOLERANCE = {torch.float32: (2e-6, 2e-6), torch.bfloat16: (1.6e-2, 1e-3), torch.float16: (2e-3, 1e-4)}
+
+
+def randn(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _tables(s, d, dtype, per_pair=False):
+    angles = randn(s, d // 2, dtype=torch.float32, seed=7)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if not per_pair:
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _heads_first(b, s, h, d, dtype):
+    """[B, H, S, D] as attention makes it: a transposed view of [B, S, H, D]."""
+    return randn(b, s, h, d, dtype=dtype).transpose(1, 2)
+
+
+#: op -> case name -> args(dtype). Small shapes: the interpreter runs these too.
+CASES = {
+    "rms_norm": {
+        "weighted": lambda dt: (randn(2, 5, 64, dtype=dt), randn(64, dtype=dt, seed=1), 1e-6),
+        "unweighted_eps_1e-5": lambda dt: (randn(3, 40, dtype=dt), None, 1e-5),
+        "heads_first_view": lambda dt: (_heads_first(2, 6, 3, 32, dt), randn(32, dtype=dt, seed=1), 1e-6),
+        "fp32_out": lambda dt: (randn(4, 48, dtype=dt), randn(48, dtype=dt, seed=1), 1e-6, torch.float32),
+    },
+    "rope": {
+        "interleaved_full": lambda dt: (randn(2, 3, 8, 32, dtype=dt), *_tables(8, 32, dt), True),
+        "interleaved_per_pair": lambda dt: (randn(2, 3, 8, 32, dtype=dt), *_tables(8, 32, dt, per_pair=True), True),
+        "half": lambda dt: (randn(2, 3, 8, 32, dtype=dt), *_tables(8, 32, dt), False),
+        "heads_first_view": lambda dt: (_heads_first(2, 8, 3, 32, dt), *_tables(8, 32, dt), True),
+        "fp32_tables": lambda dt: (randn(2, 3, 8, 32, dtype=dt), *_tables(8, 32, torch.float32), True),
+    },
+    "adalayernorm": {
+        "per_sample": lambda dt: (randn(2, 7, 48, dtype=dt), randn(2, 1, 48, dtype=dt, seed=1),
+                                  randn(2, 1, 48, dtype=dt, seed=2), 1e-6),
+        "per_channel": lambda dt: (randn(3, 48, dtype=dt), randn(48, dtype=dt, seed=1), randn(48, dtype=dt, seed=2),
+                                   1e-5),
+    },
+    "fast_gelu": {
+        "dense": lambda dt: (randn(3, 5, 40, dtype=dt),),
+        "transposed": lambda dt: (randn(4, 6, 40, dtype=dt).transpose(0, 1),),
+    },
+    "mul_add": {
+        "gate": lambda dt: (randn(2, 1, 32, dtype=dt), randn(2, 9, 32, dtype=dt, seed=1),
+                            randn(2, 9, 32, dtype=dt, seed=2), False),
+        "residual_first": lambda dt: (randn(2, 9, 32, dtype=dt), randn(2, 1, 32, dtype=dt, seed=1),
+                                      randn(2, 9, 32, dtype=dt, seed=2), True),
+        "transposed_addend": lambda dt: (randn(9, 32, dtype=dt), randn(9, 32, dtype=dt, seed=1),
+                                         randn(32, 9, dtype=dt, seed=2).t(), False),
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------- implementations
+def _cpp(op):
+    from mindiesd.ops import _cpp_build, _cpp_kernels
+
+    if not _cpp_build.enabled():
+        pytest.skip(f"C++ kernels are disabled by {_cpp_build.ENABLE_ENV}={os.environ.get(_cpp_build.ENABLE_ENV)}")
+    if _cpp_build.extension() is None:
+        pytest.skip("the C++ kernels could not be built here (see the build warning)")
+    return _cpp_kernels.KERNELS[op]
+
+
+def _triton(op):
+    if not IN_INTERPRETER:
+        pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_triton_column_in_the_interpreter")
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    from mindiesd.ops import _triton
+
+    return _triton.KERNELS[op]
+
+
+@pytest.fixture
+def stand_in_npu(monkeypatch):
+    from test_npu_mapping import StandInTorchNpu
+
+    from mindiesd.ops import _npu
+
+    module = StandInTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    _npu.rotary_mul_modes.cache_clear()
+    yield module
+    _npu.rotary_mul_modes.cache_clear()
+
+
+IMPLEMENTATIONS = ["reference", "composition", "cpp", "triton", "npu"]
+
+
+def _kernel(implementation, op, request):
+    if implementation == "reference":
+        return getattr(reference, op)  # already follows the layout rule: no adapter
+    if implementation == "composition":
+        kernel = _cpu.KERNELS[op]
+    elif implementation == "cpp":
+        kernel = _cpp(op)
+    elif implementation == "triton":
+        kernel = _triton(op)
+    else:
+        request.getfixturevalue("stand_in_npu")
+        from mindiesd.ops import _npu
+
+        kernel = _npu.KERNELS[op]
+    return conform(op, kernel)
+
+
+def _matrix():
+    for op, cases in CASES.items():
+        for case in cases:
+            yield op, case
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("op,case", list(_matrix()), ids=[f"{o}-{c}" for o, c in _matrix()])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_matrix(implementation, op, case, dtype, request):
+    args = CASES[op][case](dtype)
+    run = _kernel(implementation, op, request)
+    out = run(*args)
+    expected = getattr(reference, op)(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    expected_dtype = getattr(reference, op)(*args).dtype
+    assert out.dtype == expected_dtype and out.shape == expected.shape
+    assert out.stride() == output_layout(op, args)[1], "the layout rule's strides"
+    rtol, atol = TOLERANCE[expected_dtype]
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(out.double(), expected.to(torch.float64), rtol=rtol, atol=atol * scale)
+
+
+def test_every_op_has_cases():
+    assert sorted(CASES) == sorted(families.FAMILIES)
+
+
+def test_every_declared_kernel_is_in_the_matrix():
+    declared = {device for family in families.FAMILIES.values() for device in family.kernels}
+    assert declared == {"cpu", "cuda", "npu"}, "a new device needs its column in IMPLEMENTATIONS"
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this is the interpreter run")
+def test_triton_column_in_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "triton and matrix"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    n_cases = sum(len(c) for c in CASES.values()) * len(DTYPES)
+    assert f"{n_cases} passed" in summary, summary
