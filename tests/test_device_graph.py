@@ -425,3 +425,19 @@ def test_replay_copies_activations_only_folded_constants_included(adapter):
     for _ in range(3):
         call(compiled, torch.randn(8, 64))
     assert runner.stats.bytes_copied == 4 * x.nbytes
+
+
+def test_a_host_scalar_input_selects_its_own_capture(adapter):
+    """A 0-dim CPU tensor (eps under dynamic=True) is read on the host at capture: a new value, a new capture."""
+    from diffusers.models.normalization import RMSNorm
+
+    norm = RMSNorm(16, eps=1e-6)
+    backend = MindieSDBackend(CompilationConfig(aclgraph_with_compile=True))
+    compiled = torch.compile(norm, backend=backend, dynamic=True)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        for eps in (1e-6, 0.5, 1e-6):
+            norm.eps = eps
+            torch.testing.assert_close(compiled(x), norm(x), rtol=1e-5, atol=1e-5)
+    runner = backend.runners[0]
+    assert len(backend.runners) == 1 and runner.stats.captures == 2 and len(runner.signatures()) == 2

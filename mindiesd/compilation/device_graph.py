@@ -366,7 +366,14 @@ class DeviceGraphRunner:
         weights = self._weight_set
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                parts.append(a.data_ptr() if i in weights else _tensor_signature(a))
+                if i in weights:
+                    parts.append(a.data_ptr())
+                elif a.dim() == 0 and a.device.type == "cpu":
+                    # a host scalar (a float Dynamo made an input, such as eps): the graph reads it on the host
+                    # at capture, so its value selects the capture
+                    parts.append(_tensor_signature(a) + (a.item(),))
+                else:
+                    parts.append(_tensor_signature(a))
             else:
                 parts.append(a)
         if owned:

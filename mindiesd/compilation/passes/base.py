@@ -75,8 +75,8 @@ class Emitter:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, tuple(args), kwargs)
         self.created.append(node)
-        fake_args = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-        fake_kwargs = torch.fx.node.map_arg(kwargs, lambda n: n.meta["val"])
+        fake_args = torch.fx.node.map_arg(args, _fake_value)
+        fake_kwargs = torch.fx.node.map_arg(kwargs, _fake_value)
         fake_mode = detect_fake_mode(_flat((fake_args, fake_kwargs)))
         if fake_mode is None:
             raise RuntimeError("no fake tensor mode on the graph's values")
@@ -84,11 +84,36 @@ class Emitter:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
+    def host_scalar(self, tensor: Node) -> Node:
+        """A node reading the value of a 0-dim CPU tensor as a Python number at run time (``.item()``); its traced
+        value is a fresh unbacked symbol, as Dynamo's own ``.item()`` gives."""
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(torch.ops.aten._local_scalar_dense.default, (tensor,))
+        self.created.append(node)
+        value = tensor.meta["val"]
+        fake_mode = detect_fake_mode([value])
+        shape_env = getattr(fake_mode, "shape_env", None)
+        if shape_env is None:
+            raise RuntimeError("a host scalar needs the symbolic shape environment of dynamic=True")
+        node.meta["val"] = (shape_env.create_unbacked_symfloat() if value.dtype.is_floating_point
+                            else shape_env.create_unbacked_symint())
+        node.meta[_HOST_SCALAR] = 1.0 if value.dtype.is_floating_point else 1
+        return node
+
     def discard(self) -> None:
         for node in reversed(self.created):
             if not node.users:
                 self.graph.erase_node(node)
         self.created.clear()
+
+
+_HOST_SCALAR = "mindiesd_host_scalar"
+
+
+def _fake_value(node: Node) -> Any:
+    """A node's traced value; for a host scalar (read at run time), a stand-in number: a fused op's fake uses
+    shapes and dtypes only, and an op schema's ``float`` does not take a symbol."""
+    return node.meta.get(_HOST_SCALAR, node.meta["val"]) if _HOST_SCALAR in node.meta else node.meta["val"]
 
 
 def _flat(args: Any) -> List[Any]:

@@ -22,7 +22,9 @@ _square = Alt(
     Op(aten.mul.Tensor, _x, _x),
 )
 _mean_square = Op(aten.mean.dim, _square, Var("dims"), True)
-_variance = Op((aten.add.Scalar, aten.add.Tensor), _mean_square, Lit("eps", check=lambda v: v >= 0), commutative=True)
+# eps is a literal, or (dynamic=True makes a module's float attribute a graph input) a 0-dim tensor input.
+_eps = Alt(Lit("eps", check=lambda v: v >= 0), Cast(Var("eps_tensor"), lossy=True))
+_variance = Op((aten.add.Scalar, aten.add.Tensor), _mean_square, _eps, commutative=True)
 _normalized = Alt(
     Op(aten.mul.Tensor, Op(aten.rsqrt.default, _variance), _x, commutative=True),
     Op(aten.div.Tensor, _x, Op(aten.sqrt.default, _variance)),
@@ -39,12 +41,20 @@ def _check(m, root):
     weight = m.get("weight")
     if weight is not None and tensor_val(weight) is None:
         return "the weight is not a tensor"
+    if "eps_tensor" in m.bindings:
+        eps = tensor_val(m["eps_tensor"])
+        if eps is None or eps.dim() != 0 or not eps.dtype.is_floating_point or eps.device.type != "cpu":
+            return "eps is neither a literal nor a 0-dim floating-point CPU tensor (a float Dynamo made an input)"
     return None
 
 
 def _build(m, root, emit):
     out_dtype = tensor_val(root).dtype
-    return emit(torch.ops.mindiesd.rms_norm.default, m["x"], m.get("weight"), float(m["eps"]), out_dtype=out_dtype)
+    if "eps_tensor" in m.bindings:  # read on the host at each call, as eager's add reads it
+        eps = emit.host_scalar(m["eps_tensor"])
+    else:
+        eps = float(m["eps"])
+    return emit(torch.ops.mindiesd.rms_norm.default, m["x"], m.get("weight"), eps, out_dtype=out_dtype)
 
 
 class RMSNormPass(FusionPass):
