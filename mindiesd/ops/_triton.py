@@ -17,6 +17,7 @@ binds them to the "cuda" dispatch key.
 """
 
 import contextlib
+from functools import partial
 
 import torch
 import triton
@@ -53,213 +54,221 @@ _COMPUTE_TYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 # ----------------------------------------------------------------------------
 # Device code
+#
+# Conventions shared by the kernels: ``dims`` is (n1, n2, n3), the sizes of
+# the last three of the four index dims a flat index is split into (n0 is
+# implied by the index range).  Each operand comes as its pointer, its four
+# strides over those dims (``*_strides``) and, in the row kernels, the stride
+# of its last dim (``*_col``), which is the dim a row runs along.
 # ----------------------------------------------------------------------------
 
 
 @triton.jit
-def _unravel(index, n1, n2, n3):
-    """Split a flat index over dims (n0, n1, n2, n3) into its four coordinates."""
-    i3 = index % n3
-    rest = index // n3
-    i2 = rest % n2
-    rest = rest // n2
-    return rest // n1, rest % n1, i2, i3
+def _unravel(index, dims):
+    """Coordinates (i0, i1, i2, i3) of a flat C-order ``index`` over (n0, *dims)."""
+    i3 = index % dims[2]
+    rest = index // dims[2]
+    i2 = rest % dims[1]
+    rest = rest // dims[1]
+    return rest // dims[0], rest % dims[0], i2, i3
+
+
+@triton.jit
+def _offset(coords, strides):
+    """Element offset of ``coords`` (from ``_unravel``) through four ``strides``."""
+    i0, i1, i2, i3 = coords
+    return i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3 * strides[3]
+
+
+@triton.jit
+def _program_block(count, BLOCK: tl.constexpr):
+    """This program's BLOCK flat indices along grid axis 0 (as int64), and index < count."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return index, index < count
+
+
+@triton.jit
+def _columns(start, width, BLOCK: tl.constexpr):
+    """Columns start .. start + BLOCK - 1 of a row, and which of them lie inside ``width``."""
+    cols = start + tl.arange(0, BLOCK)
+    return cols, cols < width
+
+
+@triton.jit
+def _load(pointers, mask, COMPUTE: tl.constexpr):
+    """The values at ``pointers`` (0 where ``mask`` is false), upcast to COMPUTE."""
+    return tl.load(pointers, mask=mask, other=0.0).to(COMPUTE)
+
+
+@triton.jit
+def _store(out_ptr, offsets, values, mask):
+    """Store ``values``, rounded to the output dtype, at ``out_ptr + offsets`` where ``mask``."""
+    tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_sum(
+    row_ptr, col_stride, width, center,
+    SQUARE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Sum over a row of ``width`` values x of (x - center), or of (x - center)**2 with SQUARE.
+
+    The row is read BLOCK columns at a time; the result has dtype COMPUTE.
+    """
+    total = tl.zeros([BLOCK], dtype=COMPUTE)
+    for start in range(0, width, BLOCK):
+        cols, mask = _columns(start, width, BLOCK)
+        terms = tl.where(mask, _load(row_ptr + cols * col_stride, mask, COMPUTE) - center, 0.0)
+        if SQUARE:
+            terms = terms * terms
+        total += terms
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def _pair_columns(pair, pairing):
+    """Columns of the two elements of each ``pair`` in a row, as [1, pairs] blocks.
+
+    ``pairing`` is (step, partner): pair j holds columns j * step and
+    j * step + partner.
+    """
+    first = (pair * pairing[0])[None, :]
+    return first, first + pairing[1]
+
+
+@triton.jit
+def _load_pair(row_ptrs, col_stride, pair, pairing, mask, COMPUTE: tl.constexpr):
+    """The two values of each ``pair`` (see ``_pair_columns``) in rows ``row_ptrs``, upcast."""
+    first, second = _pair_columns(pair, pairing)
+    first_values = _load(row_ptrs + first * col_stride, mask, COMPUTE)
+    return first_values, _load(row_ptrs + second * col_stride, mask, COMPUTE)
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr,
-    n1, n2, n3,
-    xs0, xs1, xs2, xs3, x_last,
-    ws0, ws1, ws2, ws3, w_last,
-    width, eps,
-    HAS_WEIGHT: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    dims, x_ptr, x_strides, x_col, w_ptr, w_strides, w_col, out_ptr, width, eps,
+    HAS_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """One program per row: x * rsqrt(mean(x**2) + eps) [* weight]."""
     row = tl.program_id(0).to(tl.int64)
-    i0, i1, i2, i3 = _unravel(row, n1, n2, n3)
-    x_row = x_ptr + i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
-    w_row = w_ptr + i0 * ws0 + i1 * ws1 + i2 * ws2 + i3 * ws3
-    out_row = out_ptr + row * width
-    out_type = out_ptr.dtype.element_ty
+    coords = _unravel(row, dims)
+    x_row = x_ptr + _offset(coords, x_strides)
+    w_row = w_ptr + _offset(coords, w_strides)
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < width
-        values = tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
+        cols, mask = _columns(0, width, BLOCK)
+        values = _load(x_row + cols * x_col, mask, COMPUTE)
         inv_rms = tl.rsqrt(tl.sum(values * values, axis=0) / width + eps)
         result = values * inv_rms
         if HAS_WEIGHT:
-            result = result * tl.load(w_row + cols * w_last, mask=mask, other=0.0).to(COMPUTE)
-        tl.store(out_row + cols, result.to(out_type), mask=mask)
+            result = result * _load(w_row + cols * w_col, mask, COMPUTE)
+        _store(out_ptr, row * width + cols, result, mask)
     else:
-        squares = tl.zeros([BLOCK], dtype=COMPUTE)
+        inv_rms = tl.rsqrt(_row_sum(x_row, x_col, width, 0.0, True, COMPUTE, BLOCK) / width + eps)
         for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < width
-            values = tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
-            squares += values * values
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / width + eps)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < width
-            values = tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
-            result = values * inv_rms
+            cols, mask = _columns(start, width, BLOCK)
+            result = _load(x_row + cols * x_col, mask, COMPUTE) * inv_rms
             if HAS_WEIGHT:
-                result = result * tl.load(w_row + cols * w_last, mask=mask, other=0.0).to(COMPUTE)
-            tl.store(out_row + cols, result.to(out_type), mask=mask)
+                result = result * _load(w_row + cols * w_col, mask, COMPUTE)
+            _store(out_ptr, row * width + cols, result, mask)
 
 
 @triton.jit
 def _adalayernorm_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
-    n1, n2, n3,
-    xs0, xs1, xs2, xs3, x_last,
-    cs0, cs1, cs2, cs3, c_last,
-    hs0, hs1, hs2, hs3, h_last,
-    width, eps,
-    COMPUTE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    dims,
+    x_ptr, x_strides, x_col,
+    scale_ptr, scale_strides, scale_col,
+    shift_ptr, shift_strides, shift_col,
+    out_ptr, width, eps,
+    COMPUTE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """One program per row: layer_norm(x) * (1 + scale) + shift."""
     row = tl.program_id(0).to(tl.int64)
-    i0, i1, i2, i3 = _unravel(row, n1, n2, n3)
-    x_row = x_ptr + i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
-    scale_row = scale_ptr + i0 * cs0 + i1 * cs1 + i2 * cs2 + i3 * cs3
-    shift_row = shift_ptr + i0 * hs0 + i1 * hs1 + i2 * hs2 + i3 * hs3
-    out_row = out_ptr + row * width
-    out_type = out_ptr.dtype.element_ty
+    coords = _unravel(row, dims)
+    x_row = x_ptr + _offset(coords, x_strides)
+    scale_row = scale_ptr + _offset(coords, scale_strides)
+    shift_row = shift_ptr + _offset(coords, shift_strides)
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < width
-        values = tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
+        cols, mask = _columns(0, width, BLOCK)
+        values = _load(x_row + cols * x_col, mask, COMPUTE)
         mean = tl.sum(values, axis=0) / width
         centered = tl.where(mask, values - mean, 0.0)
         inv_std = tl.rsqrt(tl.sum(centered * centered, axis=0) / width + eps)
-        scale = tl.load(scale_row + cols * c_last, mask=mask, other=0.0).to(COMPUTE)
-        shift = tl.load(shift_row + cols * h_last, mask=mask, other=0.0).to(COMPUTE)
-        result = centered * inv_std * (1.0 + scale) + shift
-        tl.store(out_row + cols, result.to(out_type), mask=mask)
+        scale = _load(scale_row + cols * scale_col, mask, COMPUTE)
+        shift = _load(shift_row + cols * shift_col, mask, COMPUTE)
+        _store(out_ptr, row * width + cols, centered * inv_std * (1.0 + scale) + shift, mask)
     else:
-        total = tl.zeros([BLOCK], dtype=COMPUTE)
+        mean = _row_sum(x_row, x_col, width, 0.0, False, COMPUTE, BLOCK) / width
+        variance = _row_sum(x_row, x_col, width, mean, True, COMPUTE, BLOCK) / width
+        inv_std = tl.rsqrt(variance + eps)
         for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < width
-            total += tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
-        mean = tl.sum(total, axis=0) / width
-        squares = tl.zeros([BLOCK], dtype=COMPUTE)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < width
-            values = tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
-            centered = tl.where(mask, values - mean, 0.0)
-            squares += centered * centered
-        inv_std = tl.rsqrt(tl.sum(squares, axis=0) / width + eps)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < width
-            values = tl.load(x_row + cols * x_last, mask=mask, other=0.0).to(COMPUTE)
-            scale = tl.load(scale_row + cols * c_last, mask=mask, other=0.0).to(COMPUTE)
-            shift = tl.load(shift_row + cols * h_last, mask=mask, other=0.0).to(COMPUTE)
-            result = (values - mean) * inv_std * (1.0 + scale) + shift
-            tl.store(out_row + cols, result.to(out_type), mask=mask)
+            cols, mask = _columns(start, width, BLOCK)
+            centered = _load(x_row + cols * x_col, mask, COMPUTE) - mean
+            scale = _load(scale_row + cols * scale_col, mask, COMPUTE)
+            shift = _load(shift_row + cols * shift_col, mask, COMPUTE)
+            _store(out_ptr, row * width + cols, centered * inv_std * (1.0 + scale) + shift, mask)
 
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
-    rows, pairs, width,
-    n1, n2, n3,
-    xs0, xs1, xs2, xs3, x_last,
-    cs0, cs1, cs2, cs3, c_last,
-    ss0, ss1, ss2, ss3, s_last,
-    x_step, x_partner,
-    c_step, c_partner,
-    s_step, s_partner,
-    COMPUTE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_PAIRS: tl.constexpr,
+    dims,
+    x_ptr, x_strides, x_col,
+    cos_ptr, cos_strides, cos_col,
+    sin_ptr, sin_strides, sin_col,
+    out_ptr, rows, pairs, width,
+    x_pairing, cos_pairing, sin_pairing,
+    COMPUTE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
 ):
     """A tile of rows x pairs: out = x * cos + rotate(x) * sin.
 
-    Pair ``j`` of a row holds elements ``j * x_step`` and ``j * x_step +
-    x_partner`` (interleaved: step 2, partner 1; half-rotated: step 1,
-    partner D/2).  Its cos/sin values sit at ``j * step`` and ``j * step +
-    partner`` of the table row (full width: as for x; per pair: step 1,
-    partner 0; one value: step 0, partner 0).
+    Pair ``j`` of a row holds elements ``j * step`` and ``j * step +
+    partner``, with ``x_pairing`` = (step, partner) (interleaved: (2, 1);
+    half-rotated: (1, D/2)).  Its cos/sin values sit at the same places of
+    the table row, through ``cos_pairing`` and ``sin_pairing`` (full width:
+    as for x; per pair: (1, 0); one value: (0, 0)).
     """
-    rows_index = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows_index, row_mask = _program_block(rows, BLOCK_ROWS)
     pair = tl.program_id(1) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
-    mask = (rows_index < rows)[:, None] & (pair < pairs)[None, :]
-    i0, i1, i2, i3 = _unravel(rows_index, n1, n2, n3)
-    x_row = (i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3)[:, None]
-    cos_row = (i0 * cs0 + i1 * cs1 + i2 * cs2 + i3 * cs3)[:, None]
-    sin_row = (i0 * ss0 + i1 * ss1 + i2 * ss2 + i3 * ss3)[:, None]
+    mask = row_mask[:, None] & (pair < pairs)[None, :]
+    coords = _unravel(rows_index, dims)
+    x_row = x_ptr + _offset(coords, x_strides)[:, None]
+    cos_row = cos_ptr + _offset(coords, cos_strides)[:, None]
+    sin_row = sin_ptr + _offset(coords, sin_strides)[:, None]
 
-    first = (pair * x_step)[None, :]
-    second = first + x_partner
-    x_first = tl.load(x_ptr + x_row + first * x_last, mask=mask, other=0.0).to(COMPUTE)
-    x_second = tl.load(x_ptr + x_row + second * x_last, mask=mask, other=0.0).to(COMPUTE)
-    cos_first_index = (pair * c_step)[None, :]
-    sin_first_index = (pair * s_step)[None, :]
-    cos_first = tl.load(cos_ptr + cos_row + cos_first_index * c_last, mask=mask, other=0.0)
-    cos_second = tl.load(
-        cos_ptr + cos_row + (cos_first_index + c_partner) * c_last, mask=mask, other=0.0
-    )
-    sin_first = tl.load(sin_ptr + sin_row + sin_first_index * s_last, mask=mask, other=0.0)
-    sin_second = tl.load(
-        sin_ptr + sin_row + (sin_first_index + s_partner) * s_last, mask=mask, other=0.0
-    )
-    out_first = x_first * cos_first.to(COMPUTE) - x_second * sin_first.to(COMPUTE)
-    out_second = x_second * cos_second.to(COMPUTE) + x_first * sin_second.to(COMPUTE)
+    x_first, x_second = _load_pair(x_row, x_col, pair, x_pairing, mask, COMPUTE)
+    cos_first, cos_second = _load_pair(cos_row, cos_col, pair, cos_pairing, mask, COMPUTE)
+    sin_first, sin_second = _load_pair(sin_row, sin_col, pair, sin_pairing, mask, COMPUTE)
+    out_first = x_first * cos_first - x_second * sin_first
+    out_second = x_second * cos_second + x_first * sin_second
 
-    out_type = out_ptr.dtype.element_ty
-    out_row = out_ptr + (rows_index * width)[:, None]
-    tl.store(out_row + first, out_first.to(out_type), mask=mask)
-    tl.store(out_row + second, out_second.to(out_type), mask=mask)
+    first, second = _pair_columns(pair, x_pairing)
+    out_row = (rows_index * width)[:, None]
+    _store(out_ptr, out_row + first, out_first, mask)
+    _store(out_ptr, out_row + second, out_second, mask)
 
 
 @triton.jit
 def _fast_gelu_kernel(
-    x_ptr, out_ptr, numel,
-    n1, n2, n3,
-    xs0, xs1, xs2, xs3,
-    COMPUTE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    dims, x_ptr, x_strides, out_ptr, numel, COMPUTE: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Tanh GELU, written as x * sigmoid(2u) = 0.5 x (1 + tanh(u)), u = c (x + a x**3)."""
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = index < numel
-    i0, i1, i2, i3 = _unravel(index, n1, n2, n3)
-    values = tl.load(x_ptr + i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3, mask=mask, other=0.0)
-    values = values.to(COMPUTE)
-    inner = 0.7978845608028654 * (values + 0.044715 * values * values * values)
-    result = values / (1.0 + tl.exp(-2.0 * inner))
-    tl.store(out_ptr + index, result.to(out_ptr.dtype.element_ty), mask=mask)
+    index, mask = _program_block(numel, BLOCK)
+    x = _load(x_ptr + _offset(_unravel(index, dims), x_strides), mask, COMPUTE)
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    _store(out_ptr, index, x / (1.0 + tl.exp(-2.0 * inner)), mask)
 
 
 @triton.jit
 def _mul_add_kernel(
-    x_ptr, y_ptr, z_ptr, out_ptr, numel,
-    n1, n2, n3,
-    xs0, xs1, xs2, xs3,
-    ys0, ys1, ys2, ys3,
-    zs0, zs1, zs2, zs3,
-    COMPUTE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    dims, x_ptr, x_strides, y_ptr, y_strides, z_ptr, z_strides, out_ptr, numel,
+    COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """x * y + z over the (broadcast) output shape."""
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = index < numel
-    i0, i1, i2, i3 = _unravel(index, n1, n2, n3)
-    x = tl.load(x_ptr + i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3, mask=mask, other=0.0)
-    y = tl.load(y_ptr + i0 * ys0 + i1 * ys1 + i2 * ys2 + i3 * ys3, mask=mask, other=0.0)
-    z = tl.load(z_ptr + i0 * zs0 + i1 * zs1 + i2 * zs2 + i3 * zs3, mask=mask, other=0.0)
-    result = x.to(COMPUTE) * y.to(COMPUTE) + z.to(COMPUTE)
-    tl.store(out_ptr + index, result.to(out_ptr.dtype.element_ty), mask=mask)
+    index, mask = _program_block(numel, BLOCK)
+    coords = _unravel(index, dims)
+    x = _load(x_ptr + _offset(coords, x_strides), mask, COMPUTE)
+    y = _load(y_ptr + _offset(coords, y_strides), mask, COMPUTE)
+    z = _load(z_ptr + _offset(coords, z_strides), mask, COMPUTE)
+    _store(out_ptr, index, x * y + z, mask)
 
 
 # ----------------------------------------------------------------------------
@@ -295,7 +304,7 @@ def _coalesce(sizes, strides_per_tensor):
 
 
 def _index_layout(sizes, tensors):
-    """(n1, n2, n3) and each tensor's four strides over ``sizes``, or None.
+    """(n1, n2, n3) and each tensor's four strides over ``sizes``, as tuples, or None.
 
     ``tensors`` all have ``sizes`` as (a prefix of) their shape; only those
     dims are used.  None when more than ``MAX_DIMS`` dims remain after
@@ -305,40 +314,41 @@ def _index_layout(sizes, tensors):
     merged, strides = _coalesce(sizes, [t.stride()[:rank] for t in tensors])
     if len(merged) > MAX_DIMS:
         return None
-    padding = MAX_DIMS - len(merged)
-    padded_sizes = [1] * padding + merged
-    padded_strides = [[0] * padding + kept for kept in strides]
-    return padded_sizes[1:], padded_strides
+    padding = [0] * (MAX_DIMS - len(merged))
+    dims = tuple([1] * len(padding) + merged)[1:]
+    return dims, [tuple(padding + kept) for kept in strides]
 
 
-def _row_layout(x, tables):
-    """Row layout of x (and of tables expanded to x's shape) over all but the last dim.
+def _strided_args(sizes, operands, columns=False):
+    """Kernel arguments that read ``operands`` through their strides over ``sizes``.
 
-    Copies the operands to contiguous memory when their layout needs more
-    than ``MAX_DIMS`` row dims.
+    ``operands`` all have ``sizes`` as (a prefix of) their shape.  Returns
+    ``dims`` (n1, n2, n3), then per operand: the tensor, its four strides
+    and, with ``columns``, the stride of its last dim.  Operands whose
+    layout needs more than ``MAX_DIMS`` dims are copied to contiguous memory
+    first.
     """
-    operands = [x, *tables]
-    layout = _index_layout(x.shape[:-1], operands)
+    layout = _index_layout(sizes, operands)
     if layout is None:
         operands = [t.contiguous() for t in operands]
-        layout = _index_layout(x.shape[:-1], operands)
-    return operands, layout
+        layout = _index_layout(sizes, operands)
+    dims, strides = layout
+    args = [dims]
+    for tensor, tensor_strides in zip(operands, strides):
+        args += [tensor, tensor_strides] + ([tensor.stride(-1)] if columns else [])
+    return args
 
 
-def _elementwise_layout(shape, operands):
-    """Index layout of ``operands`` (already expanded to ``shape``) over all of it."""
-    layout = _index_layout(shape, operands)
-    if layout is None:
-        operands = [t.contiguous() for t in operands]
-        layout = _index_layout(shape, operands)
-    return operands, layout
+def _row_args(x, tables):
+    """``_strided_args`` of x and ``tables`` row by row: over all but x's last dim."""
+    return _strided_args(x.shape[:-1], [x, *tables], columns=True)
 
 
 def _row_block(width):
-    """(BLOCK, ONE_PASS, num_warps) for a normalization over rows of ``width``."""
+    """Launch options (BLOCK, ONE_PASS, num_warps) of a normalization over rows of ``width``."""
     block = min(triton.next_power_of_2(width), MAX_ROW_BLOCK)
     num_warps = min(max(block // 256, 1), 16)
-    return block, block >= width, num_warps
+    return {"BLOCK": block, "ONE_PASS": block >= width, "num_warps": num_warps}
 
 
 def _device_guard(device):
@@ -348,179 +358,125 @@ def _device_guard(device):
     return contextlib.nullcontext()
 
 
-def _same_device(device, *tensors):
-    return all(t is None or t.device == device for t in tensors)
+def _run(shape, out_dtype, work_dtype, fallback, launch, *args):
+    """A new output filled by ``launch(out, COMPUTE, *args)``, or ``fallback()``.
 
-
-def _covered(out_dtype, *tensors):
-    """Whether every input and the output have a float dtype the kernels handle."""
-    return out_dtype in _FLOAT_DTYPES and all(
-        t is None or t.dtype in _FLOAT_DTYPES for t in tensors
+    The fallback (the reference composition) runs unless ``out_dtype`` and
+    every tensor in ``args`` have a float dtype the kernels handle and those
+    tensors share one device.  Otherwise the output is a new contiguous
+    tensor of ``shape`` on that device, and ``launch`` fills it, with that
+    device current and COMPUTE the Triton type of ``work_dtype``; an empty
+    output is returned without a launch.
+    """
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    device = tensors[0].device
+    covered = out_dtype in _FLOAT_DTYPES and all(
+        t.dtype in _FLOAT_DTYPES and t.device == device for t in tensors
     )
+    if not covered:
+        return fallback()
+    out = torch.empty(shape, dtype=out_dtype, device=device)
+    if out.numel() > 0:
+        with _device_guard(device):
+            launch(out, _COMPUTE_TYPES[work_dtype], *args)
+    return out
 
 
-def _empty(shape, dtype, device):
-    return torch.empty(shape, dtype=dtype, device=device)
+def _launch_rms_norm(out, compute, x, weight, eps):
+    """Launch the rms_norm kernel into ``out``: one program per row of x."""
+    width = x.shape[-1]
+    # Without a weight, x stands in for it (HAS_WEIGHT=False: never read).
+    w = x if weight is None else weight.expand(x.shape)
+    _rms_norm_kernel[(out.numel() // width,)](
+        *_row_args(x, [w]), out, width, eps,
+        HAS_WEIGHT=weight is not None, COMPUTE=compute, **_row_block(width),
+    )
 
 
 def rms_norm(x, weight, eps, out_dtype=None):
     """RMS norm over the last dim; one program per row."""
     out_dtype, work_dtype = rms_norm_rules(x, weight, out_dtype)
-    if not (_covered(out_dtype, x, weight) and _same_device(x.device, weight)):
-        return reference.rms_norm(x, weight, eps, out_dtype)
-    out = _empty(x.shape, out_dtype, x.device)
-    if out.numel() == 0:
-        return out
+    fallback = partial(reference.rms_norm, x, weight, eps, out_dtype)
+    return _run(x.shape, out_dtype, work_dtype, fallback, _launch_rms_norm, x, weight, eps)
+
+
+def _launch_adalayernorm(out, compute, x, scale, shift, eps):
+    """Launch the adalayernorm kernel into ``out``: one program per row of x."""
     width = x.shape[-1]
-    tables = [] if weight is None else [weight.expand(x.shape)]
-    operands, ((n1, n2, n3), strides) = _row_layout(x, tables)
-    x = operands[0]
-    w = operands[1] if weight is not None else x
-    x_strides = strides[0]
-    w_strides = strides[1] if weight is not None else [0] * MAX_DIMS
-    block, one_pass, num_warps = _row_block(width)
-    with _device_guard(x.device):
-        _rms_norm_kernel[(out.numel() // width,)](
-            x, w, out,
-            n1, n2, n3,
-            *x_strides, x.stride(-1),
-            *w_strides, w.stride(-1) if weight is not None else 0,
-            width, eps,
-            HAS_WEIGHT=weight is not None,
-            COMPUTE=_COMPUTE_TYPES[work_dtype],
-            BLOCK=block,
-            ONE_PASS=one_pass,
-            num_warps=num_warps,
-        )
-    return out
+    _adalayernorm_kernel[(out.numel() // width,)](
+        *_row_args(x, [scale.expand(x.shape), shift.expand(x.shape)]), out, width, eps,
+        COMPUTE=compute, **_row_block(width),
+    )
 
 
 def adalayernorm(x, scale, shift, eps, out_dtype=None):
     """layer_norm(x) * (1 + scale) + shift over the last dim; one program per row."""
     out_dtype, work_dtype = adalayernorm_rules(x, scale, shift, out_dtype)
-    if not (_covered(out_dtype, x, scale, shift) and _same_device(x.device, scale, shift)):
-        return reference.adalayernorm(x, scale, shift, eps, out_dtype)
-    out = _empty(x.shape, out_dtype, x.device)
-    if out.numel() == 0:
-        return out
-    width = x.shape[-1]
-    operands, ((n1, n2, n3), strides) = _row_layout(
-        x, [scale.expand(x.shape), shift.expand(x.shape)]
+    fallback = partial(reference.adalayernorm, x, scale, shift, eps, out_dtype)
+    return _run(
+        x.shape, out_dtype, work_dtype, fallback, _launch_adalayernorm, x, scale, shift, eps
     )
-    x, scale, shift = operands
-    block, one_pass, num_warps = _row_block(width)
-    with _device_guard(x.device):
-        _adalayernorm_kernel[(out.numel() // width,)](
-            x, scale, shift, out,
-            n1, n2, n3,
-            *strides[0], x.stride(-1),
-            *strides[1], scale.stride(-1),
-            *strides[2], shift.stride(-1),
-            width, eps,
-            COMPUTE=_COMPUTE_TYPES[work_dtype],
-            BLOCK=block,
-            ONE_PASS=one_pass,
-            num_warps=num_warps,
-        )
-    return out
 
 
-def _table_indexing(table_width, width, x_step, x_partner):
+def _table_pairing(table_width, width, x_pairing):
     """(step, partner) locating a pair's two cos/sin values in a table row."""
     if table_width == width:
-        return x_step, x_partner
+        return x_pairing
     if table_width == 1:
         return 0, 0
     return 1, 0
 
 
-def rope(x, cos, sin, interleaved, out_dtype=None):
-    """Rotary embedding; a program rotates a tile of rows x pairs."""
-    out_dtype, work_dtype = rope_rules(x, cos, sin, out_dtype)
-    if not (_covered(out_dtype, x, cos, sin) and _same_device(x.device, cos, sin)):
-        return reference.rope(x, cos, sin, interleaved, out_dtype)
-    out = _empty(x.shape, out_dtype, x.device)
-    if out.numel() == 0:
-        return out
+def _launch_rope(out, compute, x, cos, sin, interleaved):
+    """Launch the rope kernel into ``out``: a program per tile of rows x pairs."""
     width = x.shape[-1]
     pairs = width // 2
     rows = out.numel() // width
-    leading = x.shape[:-1]
-    cos_rows = cos.expand(*leading, cos.shape[-1])
-    sin_rows = sin.expand(*leading, sin.shape[-1])
-    operands, ((n1, n2, n3), strides) = _row_layout(x, [cos_rows, sin_rows])
-    x, cos_rows, sin_rows = operands
-    x_step, x_partner = (2, 1) if interleaved else (1, pairs)
-    c_step, c_partner = _table_indexing(cos_rows.shape[-1], width, x_step, x_partner)
-    s_step, s_partner = _table_indexing(sin_rows.shape[-1], width, x_step, x_partner)
+    tables = [table.expand(*x.shape[:-1], table.shape[-1]) for table in (cos, sin)]
+    x_pairing = (2, 1) if interleaved else (1, pairs)
+    table_pairings = [_table_pairing(t.shape[-1], width, x_pairing) for t in tables]
     block_pairs = min(triton.next_power_of_2(pairs), ROPE_TILE)
     block_rows = min(triton.next_power_of_2(rows), max(ROPE_TILE // block_pairs, 1))
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(pairs, block_pairs))
-    with _device_guard(x.device):
-        _rope_kernel[grid](
-            x, cos_rows, sin_rows, out,
-            rows, pairs, width,
-            n1, n2, n3,
-            *strides[0], x.stride(-1),
-            *strides[1], cos_rows.stride(-1),
-            *strides[2], sin_rows.stride(-1),
-            x_step, x_partner,
-            c_step, c_partner,
-            s_step, s_partner,
-            COMPUTE=_COMPUTE_TYPES[work_dtype],
-            BLOCK_ROWS=block_rows,
-            BLOCK_PAIRS=block_pairs,
-            num_warps=4,
-        )
-    return out
+    _rope_kernel[grid](
+        *_row_args(x, tables), out, rows, pairs, width, x_pairing, *table_pairings,
+        COMPUTE=compute, BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs, num_warps=4,
+    )
+
+
+def rope(x, cos, sin, interleaved, out_dtype=None):
+    """Rotary embedding; a program rotates a tile of rows x pairs."""
+    out_dtype, work_dtype = rope_rules(x, cos, sin, out_dtype)
+    fallback = partial(reference.rope, x, cos, sin, interleaved, out_dtype)
+    return _run(x.shape, out_dtype, work_dtype, fallback, _launch_rope, x, cos, sin, interleaved)
+
+
+def _launch_elementwise(kernel, out, compute, *operands):
+    """Launch an elementwise ``kernel`` over ``out``, ELEMENTWISE_BLOCK elements a program.
+
+    The operands are broadcast to out's shape (stride-0 views) and read
+    through their strides.
+    """
+    numel = out.numel()
+    operands = [t.expand(out.shape) for t in operands]
+    kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
+        *_strided_args(out.shape, operands), out, numel,
+        COMPUTE=compute, BLOCK=ELEMENTWISE_BLOCK, num_warps=4,
+    )
 
 
 def fast_gelu(x):
     """Tanh-approximated GELU, elementwise through x's strides."""
     out_dtype, work_dtype = fast_gelu_rules(x)
-    if not _covered(out_dtype, x):
-        return reference.fast_gelu(x)
-    out = _empty(x.shape, out_dtype, x.device)
-    numel = out.numel()
-    if numel == 0:
-        return out
-    (x,), ((n1, n2, n3), strides) = _elementwise_layout(x.shape, [x])
-    with _device_guard(x.device):
-        _fast_gelu_kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
-            x, out, numel,
-            n1, n2, n3,
-            *strides[0],
-            COMPUTE=_COMPUTE_TYPES[work_dtype],
-            BLOCK=ELEMENTWISE_BLOCK,
-            num_warps=4,
-        )
-    return out
+    launch = partial(_launch_elementwise, _fast_gelu_kernel)
+    return _run(x.shape, out_dtype, work_dtype, partial(reference.fast_gelu, x), launch, x)
 
 
 def mul_add(x, y, z):
     """x * y + z; operands broadcast to the output through stride-0 views."""
     shape, out_dtype, work_dtype = mul_add_rules(x, y, z)
-    if not (_covered(out_dtype, x, y, z) and _same_device(x.device, y, z)):
-        return reference.mul_add(x, y, z)
-    out = _empty(shape, out_dtype, x.device)
-    numel = out.numel()
-    if numel == 0:
-        return out
-    operands, ((n1, n2, n3), strides) = _elementwise_layout(
-        shape, [x.expand(shape), y.expand(shape), z.expand(shape)]
-    )
-    with _device_guard(out.device):
-        _mul_add_kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
-            *operands, out, numel,
-            n1, n2, n3,
-            *strides[0],
-            *strides[1],
-            *strides[2],
-            COMPUTE=_COMPUTE_TYPES[work_dtype],
-            BLOCK=ELEMENTWISE_BLOCK,
-            num_warps=4,
-        )
-    return out
+    launch = partial(_launch_elementwise, _mul_add_kernel)
+    return _run(shape, out_dtype, work_dtype, partial(reference.mul_add, x, y, z), launch, x, y, z)
 
 
 #: Op name -> Triton kernel, for the families that declare one for "cuda" (mindiesd.families).
