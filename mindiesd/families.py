@@ -63,10 +63,12 @@ class FusionFamily:
     name: str
     doc: str
     schema: str
-    reference: str
-    fake: str
     fusion_pass: str
     layout: str
+    #: The reference (definition of correct) and the fake (tracing); by default ``reference.<name>`` and
+    #: ``_library._fake_<name>`` in mindiesd.ops.
+    reference: str = ""
+    fake: str = ""
     #: Positional arguments that broadcast against x and move with it when the layout adapter permutes x.
     table_args: Tuple[int, ...] = ()
     #: Positional arguments the device kernels do not take (layout flags the adapter applies itself).
@@ -76,6 +78,10 @@ class FusionFamily:
     kernels: Mapping[str, Kernel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.reference:
+            object.__setattr__(self, "reference", f"mindiesd.ops.reference:{self.name}")
+        if not self.fake:
+            object.__setattr__(self, "fake", f"mindiesd.ops._library:_fake_{self.name}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"family {self.name!r}: layout must be one of {LAYOUTS}, got {self.layout!r}")
 
@@ -99,6 +105,12 @@ def _cuda(name: str) -> Kernel:
     return Kernel(f"mindiesd.ops._triton:{name}", note="Triton")
 
 
+def _kernels(name: str, npu_note: str, npu_fast: bool = True) -> Dict[str, Kernel]:
+    """The kernels of op ``name`` on CPU (C++ or compositions), CUDA (Triton) and Ascend (torch_npu mapping)."""
+    return {"cpu": _cpu(name), "cuda": _cuda(name),
+            "npu": Kernel(f"mindiesd.ops._npu:{name}", fast=npu_fast, note=npu_note)}
+
+
 _P = "mindiesd.compilation.passes"
 
 #: Family name -> declaration, in the order the passes run. Order matters where forms overlap: RoPE and adaLN
@@ -111,80 +123,47 @@ FAMILIES: Dict[str, FusionFamily] = {
             name="rms_norm",
             doc="Fuse RMSNorm (torch.nn.RMSNorm, F.rms_norm, diffusers RMSNorm).",
             schema="rms_norm(Tensor x, Tensor? weight, float eps, ScalarType? out_dtype=None) -> Tensor",
-            reference="mindiesd.ops.reference:rms_norm",
-            fake="mindiesd.ops._library:_fake_rms_norm",
             fusion_pass=f"{_P}.rms_norm:RMSNormPass",
             layout="like_x",
             table_args=(1,),
-            kernels={
-                "cpu": _cpu("rms_norm"),
-                "cuda": _cuda("rms_norm"),
-                "npu": Kernel("mindiesd.ops._npu:rms_norm", note="npu_rms_norm where it computes the same function"),
-            },
+            kernels=_kernels("rms_norm", npu_note="npu_rms_norm where it computes the same function"),
         ),
         FusionFamily(
             name="rope",
-            doc="Fuse rotary position embeddings (interleaved, half-rotated, complex).",
+            doc="Fuse rotary position embeddings (interleaved, half-rotated, Wan's strided, complex, 2x2 matrix).",
             schema="rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
-            reference="mindiesd.ops.reference:rope",
-            fake="mindiesd.ops._library:_fake_rope",
             fusion_pass=f"{_P}.rope:RoPEPass",
             layout="like_x",
             table_args=(1, 2),
-            kernels={
-                "cpu": _cpu("rope"),
-                "cuda": _cuda("rope"),
-                "npu": Kernel("mindiesd.ops._npu:rope", note="npu_rotary_mul where it computes the same function"),
-            },
+            kernels=_kernels("rope", npu_note="npu_rotary_mul where it computes the same function"),
         ),
         FusionFamily(
             name="adalayernorm",
             doc="Fuse adaLN modulation: layer_norm(x) * (1 + scale) + shift.",
             schema="adalayernorm(Tensor x, Tensor scale, Tensor shift, float eps, ScalarType? out_dtype=None) -> Tensor",
-            reference="mindiesd.ops.reference:adalayernorm",
-            fake="mindiesd.ops._library:_fake_adalayernorm",
             fusion_pass=f"{_P}.adalayernorm:AdaLayerNormPass",
             layout="contiguous",
             table_args=(1, 2),
-            kernels={
-                "cpu": _cpu("adalayernorm"),
-                "cuda": _cuda("adalayernorm"),
-                "npu": Kernel("mindiesd.ops._npu:adalayernorm", fast=False,
-                              note="no torch_npu kernel: the fp32 reference composition"),
-            },
+            kernels=_kernels("adalayernorm", npu_note="no torch_npu kernel: the fp32 reference composition", npu_fast=False),
         ),
         FusionFamily(
             name="fast_gelu",
             doc="Fuse tanh-approximated GELU (aten.gelu or the explicit formula).",
             schema="fast_gelu(Tensor x) -> Tensor",
-            reference="mindiesd.ops.reference:fast_gelu",
-            fake="mindiesd.ops._library:_fake_fast_gelu",
             fusion_pass=f"{_P}.fast_gelu:FastGeluPass",
             layout="like_x",
-            kernels={
-                "cpu": _cpu("fast_gelu"),
-                "cuda": _cuda("fast_gelu"),
-                "npu": Kernel("mindiesd.ops._npu:fast_gelu", fast=False,
-                              note="npu_fast_gelu is another function: the reference composition"),
-            },
+            kernels=_kernels("fast_gelu", npu_note="npu_fast_gelu is another function: the reference composition", npu_fast=False),
         ),
         FusionFamily(
             name="mul_add",
             doc="Fuse x * y + z (incl. the residual gate x + gate * y).",
             schema="mul_add(Tensor x, Tensor y, Tensor z, bool addend_first=False) -> Tensor",
-            reference="mindiesd.ops.reference:mul_add",
-            fake="mindiesd.ops._library:_fake_mul_add",
             fusion_pass=f"{_P}.mul_add:MulAddPass",
             layout="broadcast",
             table_args=(0, 1, 2),
             kernel_arity=3,
             rows=False,
-            kernels={
-                "cpu": _cpu("mul_add"),
-                "cuda": _cuda("mul_add"),
-                "npu": Kernel("mindiesd.ops._npu:mul_add", fast=False,
-                              note="no torch_npu kernel: the fp32 reference composition"),
-            },
+            kernels=_kernels("mul_add", npu_note="no torch_npu kernel: the fp32 reference composition", npu_fast=False),
         ),
     )
 }
