@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The CUDA check, one script for a machine with one NVIDIA GPU (under 5 minutes):
+# The CUDA check, one script for a machine with one NVIDIA GPU (5 to 10 minutes; each step has a time limit):
 #   bash bench/gpu_check.sh            # runs every step, prints one summary table, logs under $OUT
 #   bash bench/gpu_check.sh --dry-run  # prints the steps only
 # Steps: environment, CUDA tests (CUDA graphs; Triton kernels compiled for the GPU), the model bench with
-# device-graph capture on tiny and mid Flux (eager, mindiesd, mindiesd + capture, Inductor on tiny).
+# device-graph capture on tiny and mid Flux (eager, mindiesd, mindiesd + capture, Inductor on tiny), and the op
+# bench (`python -m mindiesd bench ops --device cuda`: each fused op vs its eager sequence, Inductor and a copy).
 # Without a GPU it says so and exits 0 after the environment step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ STEPS=(
   "flux_tiny_inductor|90|python -m mindiesd bench --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
   "flux_mid_capture|90|python -m mindiesd bench --model flux --size mid --device cuda --capture --markdown --json $OUT_DIR/flux_mid.json"
   "flux_mid_bf16_capture|90|python -m mindiesd bench --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
+  "ops_cuda|150|python -m mindiesd bench ops --device cuda --markdown"
 )
 
 if (( DRY )); then
@@ -56,7 +58,7 @@ for step in "${STEPS[@]}"; do
   tail -15 "$OUT_DIR/$name.log"
   case $rc in 0) status=ok ;; 124) status=timeout ;; *) status="failed($rc)" ;; esac
   key=$(grep -E "passed|failed" "$OUT_DIR/$name.log" | tail -1)
-  [[ -z "$key" ]] && key=$(grep -E "^\| flux" "$OUT_DIR/$name.log" | tail -1 | cut -c1-160)
+  [[ -z "$key" ]] && key=$(grep -E "^\| (flux|mul_add)" "$OUT_DIR/$name.log" | tail -1 | cut -c1-160)
   SUMMARY+=("| $name | $status | ${seconds}s | ${key:-see $name.log} |")
 done
 

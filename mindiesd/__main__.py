@@ -9,7 +9,7 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-command per tool."""
-    from . import bench
+    from . import bench, bench_ops
 
     parser = argparse.ArgumentParser(
         prog="mindiesd",
@@ -19,15 +19,31 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     bench_parser = commands.add_parser(
         "bench",
-        help="compile zoo models with the MindieSD backend and time them",
+        help="compile registry models with the MindieSD backend and time them ('bench ops': the fused operators alone)",
         description=(
-            "Build a small diffusers transformer with random weights, compile it with "
+            "Build a small diffusers transformer of the registry (mindiesd.zoo) with random weights, compile it with "
             "torch.compile(backend=MindieSDBackend()) and print fused-op counts, error "
             "vs eager, compile time and eager/compiled latency (medians of interleaved runs)."
         ),
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(handler=bench.run)
+    bench_commands = bench_parser.add_subparsers(
+        dest="bench_command",
+        title="sub-command",
+        metavar="ops",
+        description="'mindiesd bench ops [options]': the fused operators alone (its options follow 'ops')",
+    )
+    ops_parser = bench_commands.add_parser(
+        "ops",
+        help="time the fused operators alone: eager's op sequence vs the kernel vs Inductor vs a copy",
+        description=(
+            "Time each fused operator against the eager op sequence its pass replaces, Inductor's compile of that "
+            "sequence and a copy (the bandwidth floor), interleaved in one process; one row per op and dtype."
+        ),
+    )
+    bench_ops.add_arguments(ops_parser)
+    ops_parser.set_defaults(handler=bench_ops.run)
     return parser
 
 

@@ -1,10 +1,10 @@
-"""``mindiesd bench``: compile zoo models with the MindieSD backend and measure them.
+"""``mindiesd bench``: compile models of the registry (``mindiesd.zoo``) with the MindieSD backend and measure them.
 
 For each model the bench reports how many fused ops of each family the backend
 inserted, the numerical error against eager, the cold compile time and the
 steady-state latency of eager and compiled forwards (optionally also Inductor's).
-Eager and compiled calls are interleaved in one timing loop and medians are
-reported, because CPU timings drift by tens of percent over a run.
+Eager and compiled calls are interleaved in one timing loop (``mindiesd.timing``, shared with
+``mindiesd bench ops``) and medians are reported, because CPU timings drift by tens of percent over a run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import contextlib
 import io
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -26,6 +25,8 @@ import torch._dynamo
 
 from . import zoo
 from .families import FAMILIES as _FAMILIES
+from .timing import interleaved_medians
+from .timing import synchronize as _synchronize
 
 FAMILIES = tuple(_FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -160,43 +161,8 @@ def max_relative_error(actual: Any, expected: Any) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu" and hasattr(torch, "npu"):
-        torch.npu.synchronize()
-
-
 def _case_device(case: zoo.Case) -> torch.device:
     return next(case.model.parameters()).device
-
-
-def interleaved_medians(
-    runners: dict[str, Callable[[], Any]],
-    iters: int,
-    warmup: int,
-    device: torch.device | str = "cpu",
-) -> dict[str, float]:
-    """Median milliseconds per call of each runner, timed round-robin in one loop.
-
-    Each iteration calls every runner once, rotating the starting runner so no
-    runner always goes first (caches, clocks) and slow drift hits all alike.
-    """
-    device = torch.device(device)
-    names = list(runners)
-    for _ in range(warmup):
-        for name in names:
-            runners[name]()
-    _synchronize(device)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(iters):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            runners[name]()
-            _synchronize(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 @contextlib.contextmanager
@@ -440,10 +406,52 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+#: ``--model``: every registry name, and the groups ``core`` and ``all``.
+MODEL_CHOICES = (*zoo.MODELS, "core", "all")
+
+
+def select_models(choice: str, size: str, stderr: TextIO) -> tuple[str, ...]:
+    """The registry names ``--model choice`` stands for at ``size`` (an empty tuple, reported, when none fits).
+
+    ``core`` and ``all`` leave out, with a note on ``stderr``, the models without ``size`` and those the installed
+    diffusers lacks; a single model without ``size`` is an error.
+    """
+    if choice not in ("core", "all"):
+        if size not in zoo.entry(choice).sizes:
+            sizes = ", ".join(zoo.entry(choice).sizes)
+            stderr.write(f"mindiesd bench: {choice} has no size {size!r}; its sizes: {sizes}\n")
+            return ()
+        return (choice,)
+    group = "core" if choice == "core" else None
+    candidates = zoo.names(group=group)
+    without_size = [n for n in candidates if size not in zoo.entry(n).sizes]
+    unavailable = [n for n in candidates if n not in without_size and not zoo.available(n)]
+    if without_size:
+        stderr.write(f"mindiesd bench: no {size} size, left out: {', '.join(without_size)}\n")
+    if unavailable:
+        stderr.write(f"mindiesd bench: not in this diffusers (or no diffusers), left out: {', '.join(unavailable)}\n")
+    names = tuple(n for n in candidates if n not in without_size and n not in unavailable)
+    if not names:
+        stderr.write(f"mindiesd bench: no model of {choice!r} can be built at size {size!r}\n")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``bench`` options on ``parser``."""
-    parser.add_argument("--model", choices=(*zoo.MODELS, "all"), default="flux", help="zoo model to bench (default: flux)")
-    parser.add_argument("--size", choices=zoo.SIZES, default="tiny", help="model size (default: tiny)")
+    parser.add_argument(
+        "--model",
+        choices=MODEL_CHOICES,
+        default="flux",
+        metavar="MODEL",
+        help=f"a model of the registry (mindiesd.zoo): {', '.join(zoo.MODELS)}; or 'core' "
+        f"({', '.join(zoo.names('core'))}) or 'all' (every registered model that has --size); default: flux",
+    )
+    parser.add_argument(
+        "--size",
+        choices=zoo.SIZES,
+        default="tiny",
+        help=f"model size (default: tiny; mid for {', '.join(zoo.names(size='mid'))})",
+    )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model and input dtype (default: fp32)")
     parser.add_argument(
         "--iters",
@@ -490,7 +498,9 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     progress = QuietProgress() if args.quiet else Progress(stderr)
-    names = zoo.MODELS if args.model == "all" else (args.model,)
+    names = select_models(args.model, args.size, stderr)
+    if not names:
+        return 2
     dtype = DTYPES[args.dtype]
     rows: list[dict[str, Any]] = []
     failures: list[str] = []

@@ -1,4 +1,5 @@
-"""Tests of the model zoo, the ``bench`` measurement code and the ``mindiesd`` CLI."""
+"""Tests of the model registry (``mindiesd.zoo``), the ``bench`` and ``bench ops`` measurement code and the
+``mindiesd`` CLI."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from mindiesd import bench, zoo  # noqa: E402
+from mindiesd import bench, bench_ops, timing, zoo  # noqa: E402
 from mindiesd.__main__ import build_parser, main  # noqa: E402
 
 
-@pytest.mark.parametrize("name", zoo.MODELS)
+@pytest.mark.parametrize("name", zoo.names(group="core"))
 def test_zoo_tiny_forward_returns_latent_shaped_tuple(name):
     case = zoo.build(name, "tiny")
     assert not case.model.training
@@ -61,6 +62,59 @@ def test_zoo_rejects_unknown_names_and_sizes():
     assert all(size in str(err.value) for size in zoo.SIZES)
 
 
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_every_registry_model_builds_and_runs_at_tiny_size(name):
+    case = zoo.build(name, "tiny")
+    assert case.entry is zoo.entry(name) and case.entry.cls == type(case.model).__name__
+    assert not case.model.training and case.inputs["return_dict"] is False
+    with torch.no_grad():
+        out = case.model(**case.inputs)
+    assert isinstance(out, tuple)
+    # the batch and rank of the latent (PixArt's learned sigma doubles the channels)
+    assert out[0].shape[0] == case.latent_shape()[0] and out[0].ndim == len(case.latent_shape())
+    assert torch.isfinite(out[0]).all()
+    expected = case.expected()
+    assert set(expected) == set(bench.FAMILIES) and all(type(v) is int and v >= 0 for v in expected.values())
+    assert sum(expected.values()) > 0
+    assert set(zoo.gaps(name)) <= set(bench.FAMILIES)
+
+
+def test_registry_names_groups_and_sizes():
+    assert zoo.MODELS == tuple(zoo.REGISTRY) and len(set(zoo.MODELS)) == len(zoo.MODELS)
+    assert zoo.names(group="core") == ("flux", "sd3", "wan")
+    assert set(zoo.names(group="core")) | set(zoo.names(group="dits")) == set(zoo.MODELS)
+    assert zoo.names(size="mid") == ("flux", "sd3", "wan")
+    assert zoo.names(size="tiny") == zoo.MODELS
+    with pytest.raises(ValueError, match="has no size 'mid'"):
+        zoo.build("qwen_image", "mid")
+    with pytest.raises(ValueError, match="unknown group"):
+        zoo.names(group="unets")
+    assert zoo.config_for("hidream_moe")["num_routed_experts"] == 4 and zoo.entry("hidream_moe").graph_breaks
+
+
+def test_bench_model_choices_are_the_registry_names():
+    parser = build_parser()
+    bench_parser = parser._subparsers._group_actions[0].choices["bench"]
+    (model_action,) = [a for a in bench_parser._actions if "--model" in a.option_strings]
+    assert tuple(c for c in model_action.choices if c not in ("core", "all")) == zoo.MODELS
+    assert bench.MODEL_CHOICES == (*zoo.MODELS, "core", "all")
+    for name in zoo.MODELS:
+        assert build_parser().parse_args(["bench", "--model", name]).model == name
+
+
+def test_bench_model_groups_select_the_registry():
+    err = io.StringIO()
+    assert bench.select_models("all", "tiny", err) == zoo.MODELS and err.getvalue() == ""
+    assert bench.select_models("core", "mid", err) == ("flux", "sd3", "wan")
+    assert bench.select_models("all", "mid", err) == ("flux", "sd3", "wan")
+    assert "no mid size, left out: qwen_image" in err.getvalue()
+    err = io.StringIO()
+    assert bench.select_models("prx", "mid", err) == ()
+    assert "prx has no size 'mid'" in err.getvalue()
+    args = build_parser().parse_args(["bench", "--model", "prx", "--size", "mid"])
+    assert bench.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 2
+
+
 def test_cli_help_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])
@@ -99,6 +153,69 @@ def test_interleaved_medians_calls_each_runner_equally():
     assert set(medians) == {"a", "b"}
     assert medians["b"] >= 5.0, medians  # milliseconds: each call of b sleeps 5 ms
     assert medians["a"] < medians["b"], medians
+
+
+def test_interleaved_medians_rounds_rotation_and_calls_per_sample(monkeypatch):
+    order = []
+    runners = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    medians = timing.interleaved_medians(runners, iters=3, warmup=0)
+    assert order == list("abcbcacab")  # the starting runner rotates
+    assert isinstance(medians, timing.Medians) and medians.rounds == 1
+
+    order.clear()
+    medians = timing.interleaved_medians(runners, iters=2, warmup=1, rounds=2, calls_per_sample=3)
+    assert order.count("a") == 1 + 2 * 2 * 3 and medians.rounds == 2
+
+    # every round disturbed: more rounds, up to max_rounds; a quiet round ends them
+    loads = iter([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0])  # cumulative foreign CPU seconds: 1 core busy
+    monkeypatch.setattr(timing, "foreign_cpu_seconds", lambda: next(loads))
+    medians = timing.interleaved_medians({"a": lambda: time.sleep(0.001)}, iters=1, warmup=0, rounds=1,
+                                         max_rounds=3)
+    assert medians.rounds == 3 and medians.foreign_load is not None
+    loads = iter([0.0, 0.0])
+    medians = timing.interleaved_medians({"a": lambda: None}, iters=1, warmup=0, rounds=1, max_rounds=12)
+    assert medians.rounds == 1 and medians.foreign_load == 0.0
+    with pytest.raises(ValueError):
+        timing.interleaved_medians({"a": lambda: None}, iters=0, warmup=0)
+
+
+def test_bench_uses_the_shared_timing_loop():
+    assert bench.interleaved_medians is timing.interleaved_medians
+    assert bench_ops.interleaved_medians is timing.interleaved_medians
+
+
+def test_cli_bench_ops_parses_its_own_options():
+    args = build_parser().parse_args(["bench", "ops", "--quick", "--device", "cpu", "--ops", "rope"])
+    assert args.handler is bench_ops.run and args.quick and args.ops == "rope" and args.device == "cpu"
+    args = build_parser().parse_args(["bench", "ops"])
+    assert (args.dtype, args.reps, args.rounds, args.no_inductor, args.markdown) == (None, 20, None, False, False)
+    assert build_parser().parse_args(["bench"]).handler is bench.run
+
+
+def test_bench_ops_cases_agree_with_eager():
+    names = list(bench_ops.OP_NAMES)
+    cases = bench_ops.build_cases(torch.float32, names, variants=True)
+    assert [c.op for c in bench_ops.build_cases(torch.float32, names)] == names
+    assert {c.op for c in cases} >= {"rope:rotate_half", "rope:general_tables", "adalayernorm:1d_mod",
+                                     "fast_gelu:formula", "mul_add:full_y"}
+    with torch.no_grad():
+        for case in cases:
+            assert bench_ops.check_agreement(case) < 1e-4, case.op
+
+
+def test_cli_bench_ops_quick_prints_its_table():
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(
+        ["bench", "ops", "--quick", "--ops", "fast_gelu,mul_add", "--reps", "2", "--prefault-mib", "0"]
+    )
+    assert bench_ops.run(args, stdout=out, stderr=err) == 0, err.getvalue()
+    lines = out.getvalue().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    assert "inductor ms" not in lines[header] and "eager/kernel" in lines[header]
+    rows = [line.split()[0] for line in lines[header + 1:]]
+    assert rows == ["fast_gelu", "fast_gelu:formula", "mul_add", "mul_add:full_y"]
+    args = build_parser().parse_args(["bench", "ops", "--ops", "conv"])
+    assert bench_ops.run(args, stdout=io.StringIO(), stderr=err) == 2 and "unknown op" in err.getvalue()
 
 
 def test_progress_plain_lines():

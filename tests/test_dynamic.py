@@ -15,6 +15,8 @@ from mindiesd.compilation import MindieSDBackend, MindieSDFallbackWarning
 
 diffusers = pytest.importorskip("diffusers")
 
+pytestmark = pytest.mark.slow  # whole models: the quick subset is `pytest -m "not slow"`
+
 
 def _run(model, inputs_per_size, dynamic):
     """Compile once, call at every size (no recompile after the first); per-family counts of the final graphs."""

@@ -4,6 +4,9 @@ As diffusers' own ``test_torch_compile_repeated_blocks`` does: ``fullgraph=True`
 two calls, no recompilation. That holds only if every compiled block returns the strides eager's block returns
 (the next block's guards check them). Beyond that: no fallback, output equal to eager's, and the fused ops
 that run are those the block graphs contain, once per block instance.
+
+The models are those of the registry (``mindiesd.zoo``) whose diffusers class declares ``_repeated_blocks`` and
+whose graph Dynamo traces whole (``fullgraph=True`` rules out the entries with ``graph_breaks``).
 """
 
 from __future__ import annotations
@@ -20,28 +23,27 @@ from fusion_utils import FAMILIES  # noqa: E402
 from mindiesd import zoo  # noqa: E402
 from mindiesd.compilation import MindieSDFallbackWarning, fusion_report, reset_fusion_report  # noqa: E402
 
-import test_more_dits  # noqa: E402
+pytestmark = pytest.mark.slow  # whole models: the quick subset is `pytest -m "not slow"`
 
 MAX_ERROR = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _zoo(name):
-    def build():
-        case = zoo.build(name, "tiny")
-        if name == "flux":
-            # A single block returns slices of its joint sequence, so the second single block's input has other
-            # strides than the first's in eager too: every backend (Dynamo's "eager" included) recompiles there.
-            # One single block, as in diffusers' own Flux compile test.
-            case.model.single_transformer_blocks = case.model.single_transformer_blocks[:1]
-        return case.model, {k: v for k, v in case.inputs.items() if k != "return_dict"}
-
-    return build
+def _regional(name: str) -> bool:
+    entry = zoo.entry(name)
+    return bool(getattr(getattr(diffusers, entry.cls, None), "_repeated_blocks", None)) and not entry.graph_breaks
 
 
-BUILDERS = {"flux": _zoo("flux"), "wan": _zoo("wan")}
-BUILDERS.update({name: spec.build for name, spec in test_more_dits.MODELS.items()
-                 if getattr(getattr(diffusers, spec.cls, None), "_repeated_blocks", None)
-                 and name != "hidream_moe"})
+NAMES = [name for name in zoo.MODELS if _regional(name)]
+
+
+def _build(name, dtype):
+    case = zoo.build(name, "tiny", dtype=dtype)
+    if name == "flux":
+        # A single block returns slices of its joint sequence, so the second single block's input has other
+        # strides than the first's in eager too: every backend (Dynamo's "eager" included) recompiles there.
+        # One single block, as in diffusers' own Flux compile test.
+        case.model.single_transformer_blocks = case.model.single_transformer_blocks[:1]
+    return case.model, case.inputs
 
 
 def _first(output):
@@ -56,14 +58,9 @@ def _profiled(fn):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(NAMES))
 def test_compile_repeated_blocks_by_name_never_recompiles(name, dtype):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, inputs = BUILDERS[name]()
-    model = model.to(dtype).eval()
-    inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-              for k, v in inputs.items()}
+    model, inputs = _build(name, dtype)  # seeded weights and inputs in dtype, eval mode, return_dict=False
     block_classes = set(model._repeated_blocks)
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
     assert blocks, f"{name} has none of its _repeated_blocks {block_classes}"
@@ -71,7 +68,7 @@ def test_compile_repeated_blocks_by_name_never_recompiles(name, dtype):
     hooks = [b.register_forward_pre_hook(lambda m, a: first_call_order.append(type(m).__name__)
                                           if type(m).__name__ not in first_call_order else None) for b in blocks]
     with torch.no_grad():
-        reference = _first(model(**inputs, return_dict=False))
+        reference = _first(model(**inputs))
     for hook in hooks:
         hook.remove()
 
@@ -80,8 +77,8 @@ def test_compile_repeated_blocks_by_name_never_recompiles(name, dtype):
     with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=1), \
             torch.no_grad():
         warnings.simplefilter("always")
-        first = _first(model(**inputs, return_dict=False))
-        second, ran = _profiled(lambda: _first(model(**inputs, return_dict=False)))
+        first = _first(model(**inputs))
+        second, ran = _profiled(lambda: _first(model(**inputs)))
 
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, MindieSDFallbackWarning)]
     assert fallbacks == []
