@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_utils import assert_close, only, run_compiled
+from mindiesd.bench_ops import eager_rope, eager_rope_rotate_half
 from mindiesd.compilation import MindieSDFallbackWarning
 from mindiesd.ops import _layout
 
@@ -98,15 +99,8 @@ def _cos_sin():
     return freqs.cos().repeat_interleave(2, -1), freqs.sin().repeat_interleave(2, -1)
 
 
-def _rope_flux(x, cos, sin):
-    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
-    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
-
-
-def _rope_half(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x.float() * cos + torch.cat((-x2, x1), dim=-1).float() * sin).to(x.dtype)
+_rope_flux = eager_rope  # Flux's apply_rotary_emb, as the op bench times it
+_rope_half = eager_rope_rotate_half
 
 
 def _rope_wan(x, cos, sin):

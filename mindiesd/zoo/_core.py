@@ -6,8 +6,13 @@ import torch
 
 from ._base import Entry, Spec, grid_ids, modules_named, rms_norms, tanh_gelus
 
-_FLUX = {
-    "tiny": Spec(
+def _sized(tiny: Spec, shapes: dict, **grown) -> dict:
+    """The tiny spec and a mid one that differs from it in ``grown`` config values and its ``shapes``."""
+    return {"tiny": tiny, "mid": Spec(config={**tiny.config, **grown}, shapes=shapes)}
+
+
+_FLUX = _sized(
+    Spec(
         config=dict(
             num_layers=2,
             num_single_layers=4,
@@ -20,23 +25,12 @@ _FLUX = {
         ),
         shapes=dict(grid=(16, 16), text_tokens=32),
     ),
-    "mid": Spec(
-        config=dict(
-            num_layers=2,
-            num_single_layers=2,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            pooled_projection_dim=256,
-            in_channels=16,
-            axes_dims_rope=(16, 24, 24),
-        ),
-        shapes=dict(grid=(32, 24), text_tokens=64),
-    ),
-}
+    shapes=dict(grid=(32, 24), text_tokens=64),
+    num_single_layers=2, num_attention_heads=8, joint_attention_dim=512, pooled_projection_dim=256,
+)
 
-_SD3 = {
-    "tiny": Spec(
+_SD3 = _sized(
+    Spec(
         config=dict(
             sample_size=32,
             patch_size=2,
@@ -51,25 +45,13 @@ _SD3 = {
         ),
         shapes=dict(sample=32, text_tokens=32),
     ),
-    "mid": Spec(
-        config=dict(
-            sample_size=64,
-            patch_size=2,
-            num_layers=2,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            caption_projection_dim=512,
-            pooled_projection_dim=256,
-            pos_embed_max_size=32,
-            qk_norm="rms_norm",
-        ),
-        shapes=dict(sample=64, text_tokens=64),
-    ),
-}
+    shapes=dict(sample=64, text_tokens=64),
+    sample_size=64, num_attention_heads=8, joint_attention_dim=512, caption_projection_dim=512,
+    pooled_projection_dim=256,
+)
 
-_WAN = {
-    "tiny": Spec(
+_WAN = _sized(
+    Spec(
         config=dict(
             patch_size=(1, 2, 2),
             num_attention_heads=4,
@@ -82,20 +64,9 @@ _WAN = {
         ),
         shapes=dict(latent=(16, 3, 16, 16), text_tokens=32),
     ),
-    "mid": Spec(
-        config=dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=8,
-            attention_head_dim=64,
-            text_dim=512,
-            freq_dim=256,
-            ffn_dim=2048,
-            num_layers=2,
-            qk_norm="rms_norm_across_heads",
-        ),
-        shapes=dict(latent=(16, 3, 32, 32), text_tokens=64),
-    ),
-}
+    shapes=dict(latent=(16, 3, 32, 32), text_tokens=64),
+    num_attention_heads=8, text_dim=512, ffn_dim=2048,
+)
 
 
 def _build_flux(diffusers, spec: Spec, gen: torch.Generator):
