@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -44,7 +45,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_ops.add_arguments(ops_parser)
     ops_parser.set_defaults(handler=bench_ops.run)
+    cache_parser = commands.add_parser(
+        "cache",
+        help="the persistent compile cache: 'cache' prints its folder and size, 'cache clear' empties it",
+        description="Print where the persistent compile cache lives and what it holds, or empty it.",
+    )
+    cache_parser.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
+    cache_parser.add_argument(
+        "--cache-dir", default=None, help="the folder (default: CompilationConfig.cache_dir, from $MINDIESD_CACHE_DIR)"
+    )
+    cache_parser.set_defaults(handler=_cache_command)
     return parser
+
+
+def _cache_command(args: argparse.Namespace) -> int:
+    from .compilation import cache
+
+    folder, entries, size = cache.describe(args.cache_dir)
+    if folder is None:
+        print(f"the compile cache is off ({cache.ENV_VAR}={os.environ.get(cache.ENV_VAR, '')!r})")
+        return 0
+    if args.action == "clear":
+        print(f"removed {cache.clear_cache(args.cache_dir)} entries from {folder}")
+    else:
+        print(f"{folder}: {entries} entries, {size / 2**20:.1f} MiB")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,9 +2,10 @@
 
 The whole pipeline, per graph that Dynamo hands over::
 
-    Dynamo FX graph ──aot (functional aten, inference)──> aten graph
+    Dynamo FX graph ──(cache_dir: an entry for this graph? load it and skip to the runner)
+        ──aot (functional aten, inference)──> aten graph
         ──freezing (enable_freezing)──> main graph + folded weights
-        ──fusion passes (fusion_patterns.enable_*)──> fused graph
+        ──fusion passes (fusion_patterns.enable_*)──> fused graph ──> stored in cache_dir
         ──device-graph runner (aclgraph_*)──> what Dynamo calls
 
 Any failure on the way gives one warning naming the cause and the unfused Dynamo graph runs instead (``strict``
@@ -25,11 +26,12 @@ from torch.fx import GraphModule
 
 import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
+from . import cache as graph_cache
 from .config import CompilationConfig
 from .device_graph import DeviceGraphRunner, _device_of, wrap_for_capture
 from .freezing import FrozenGraph, split_constants
 from .graph_log import GraphLog, resolve_log_dir
-from .pass_manager import PassManager
+from .pass_manager import PassManager, skip_reason
 from .report import CompileReport, GraphRecord, fusion_report
 
 log = logging.getLogger("mindiesd.compilation")
@@ -86,7 +88,10 @@ class MindieSDBackend:
         graph_log = GraphLog(resolve_log_dir(self.config.graph_log_url), record.graph_id)
         frozen: List[FrozenGraph] = []
         try:
-            compiled = self._compile(gm, example_inputs, record, graph_log, frozen)
+            slot = self._cache_slot(gm, example_inputs, record)
+            compiled = self._load(slot, record, graph_log, frozen)
+            if compiled is None:
+                compiled = self._compile(gm, example_inputs, record, graph_log, frozen, slot)
             compiled = _FallbackOnError(compiled, gm.forward, record, self.config.strict)
         except _DYNAMO_CONTROL_FLOW:
             raise  # Dynamo's own signals (restart the analysis, skip the frame): not failures
@@ -106,17 +111,55 @@ class MindieSDBackend:
         self._finish(record, graph_log)
         return compiled
 
+    def _families(self) -> tuple:
+        return self.config.fusion_patterns.enabled_families() if self.config.fuse else ()
+
+    def _cache_slot(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord) -> "_CacheSlot":
+        """Where this graph's cache entry lives, or why it has none."""
+        if not self.config.cache_dir:
+            return _CacheSlot(None, None)
+        reason = graph_cache.uncacheable_inputs(example_inputs)
+        if reason is None and _training(example_inputs):
+            reason = "training graph"
+        if reason is not None:
+            record.cache = f"not cached: {reason}"
+            return _CacheSlot(None, None)
+        device = _device_of(example_inputs)
+        device_type = device.type if device is not None else None
+        skipped = {f: why for f in self._families() if (why := skip_reason(f, device_type)) is not None}
+        weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
+        settings = graph_cache.settings_for_key(self.config.to_dict())
+        key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped)
+        return _CacheSlot(graph_cache.GraphCache(self.config.cache_dir), key)
+
+    def _load(self, slot: "_CacheSlot", record: GraphRecord, graph_log: GraphLog,
+              frozen_out: List[FrozenGraph]) -> Optional[Callable[..., Any]]:
+        """The compiled graph from the cache, or None on a miss."""
+        if slot.cache is None or slot.key is None:
+            return None
+        entry = slot.cache.load(slot.key)
+        if entry is None:
+            return None
+        run = graph_cache.runnable(entry)
+        if run.frozen is not None:
+            frozen_out.append(run.frozen)
+        record.cache = "hit"
+        record.matches, record.rules, record.skipped = dict(entry.matches), dict(entry.rules), dict(entry.skipped)
+        record.folded_constants, record.nodes_after = entry.n_folded, entry.nodes_after
+        graph_log.graph("cached", entry.main)
+        if self.keep_graphs:
+            self.graphs.append(entry.main)
+        return run
+
     def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog,
-                 frozen_out: List[FrozenGraph]):
+                 frozen_out: List[FrozenGraph], slot: "_CacheSlot"):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         config = self.config
-        families = config.fusion_patterns.enabled_families() if config.fuse else ()
+        families = self._families()
         weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
         device = _device_of(example_inputs)
-        training = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
-        )
+        training = _training(example_inputs)
 
         def inference_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
             graph_log.graph("aten", aten_gm)
@@ -138,26 +181,57 @@ class MindieSDBackend:
             record.nodes_after = _node_count(target) + (_node_count(frozen.fold) if frozen is not None else 0)
             if self.keep_graphs:
                 self.graphs.append(target)
+            if slot.key is not None:
+                slot.reason = graph_cache.calling_convention_problem(aten_gm, len(example_inputs))
+                if slot.reason is None:
+                    slot.entry = graph_cache.CachedGraph(
+                        main=target, fold=frozen.fold if frozen is not None else None,
+                        fold_inputs=list(frozen.fold_inputs) if frozen is not None else [],
+                        main_inputs=list(frozen.main_inputs) if frozen is not None else [],
+                        n_folded=frozen.n_folded if frozen is not None else 0, matches=dict(record.matches),
+                        rules=dict(record.rules), skipped=dict(record.skipped), nodes_after=record.nodes_after,
+                    )
             return make_boxed_func(frozen.bind(target.forward) if frozen is not None else target.forward)
 
         def backward_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
             return make_boxed_func(aten_gm.forward)
 
-        return aot_module_simplified(
+        compiled = aot_module_simplified(
             gm, example_inputs, fw_compiler=inference_compiler, bw_compiler=backward_compiler,
             keep_inference_input_mutations=True,
         )
+        if slot.cache is not None and slot.key is not None:
+            if slot.entry is None:
+                record.cache = f"not cached: {slot.reason or 'no inference graph'}"
+            else:
+                record.cache = "stored" if slot.cache.store(slot.key, slot.entry) is not None else "store failed"
+        return compiled
 
     def _finish(self, record: GraphRecord, graph_log: GraphLog) -> None:
         self._report.add(record)
         fusion_report().add(record)
         fused = " ".join(f"{k}={v}" for k, v in record.matches.items()) or "no fusion"
         line = (f"graph {record.graph_id}: {fused}; nodes {record.nodes_before} -> {record.nodes_after}; "
-                f"{record.folded_constants} folded; {record.seconds:.2f} s"
+                f"{record.folded_constants} folded; {record.seconds:.2f} s; cache {record.cache}"
                 + "".join(f"; {family} not fused: {why}" for family, why in record.skipped.items())
                 + (f"; FALLBACK {record.fallback}" if record.fallback else ""))
         log.info("%s", line)
         graph_log.summary(record.to_dict(), line)
+
+
+class _CacheSlot:
+    """One graph's place in the persistent cache: the store, the key, and what the compile leaves to store."""
+
+    __slots__ = ("cache", "key", "entry", "reason")
+
+    def __init__(self, cache: Optional["graph_cache.GraphCache"], key: Optional[str]):
+        self.cache, self.key = cache, key
+        self.entry: Optional[graph_cache.CachedGraph] = None
+        self.reason: Optional[str] = None
+
+
+def _training(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
 def _folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
 
 from ..families import FAMILIES
+from .cache import default_cache_dir
 
 __all__ = [
     "CompilationConfig",
@@ -63,6 +64,13 @@ def _is_optional_path(value: Any) -> bool:
         return False
     scheme = value.split("://", 1)[0].lower() if "://" in value else ""
     return scheme in ("", "file")
+
+
+def _is_optional_folder(value: Any) -> bool:
+    """None or a local folder path (no URL)."""
+    if value is None or isinstance(value, os.PathLike):
+        return True
+    return isinstance(value, str) and "://" not in value
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -168,7 +176,20 @@ _FIELDS: Dict[str, _Field] = {
         False, _is_bool, "a bool",
         "Raise on an internal failure of a pass or trace instead of warning and running the unfused graph.",
     ),
+    "cache_dir": _Field(
+        None, _is_optional_folder, "None or a folder path",
+        "Persistent compile cache: the folder where each compiled graph is stored and loaded from by later "
+        "processes (None: off). Default: $MINDIESD_CACHE_DIR ('off' turns it off), else ~/.cache/mindiesd.",
+    ),
 }
+
+#: Settings whose default is read from the environment when the settings are reset.
+_DYNAMIC_DEFAULTS: Dict[str, Callable[[], Any]] = {"cache_dir": default_cache_dir}
+
+
+def _default(name: str) -> Any:
+    factory = _DYNAMIC_DEFAULTS.get(name)
+    return factory() if factory is not None else _FIELDS[name].default
 
 
 def _fusion_value(value: Any) -> FusionPatterns:
@@ -205,6 +226,8 @@ class CompilationConfig(metaclass=_ConfigMeta):
     - ``safe_output_mode`` (``True``): clone the outputs of each device-graph replay.
     - ``graph_log_url`` (``None``): folder for the log of graph transforms.
     - ``strict`` (``False``): raise instead of falling back to the unfused graph.
+    - ``cache_dir`` (``$MINDIESD_CACHE_DIR``, else ``~/.cache/mindiesd``): the persistent compile cache; ``None``
+      turns it off.
     """
 
     fusion_patterns: FusionPatterns = FusionPatterns()
@@ -215,6 +238,7 @@ class CompilationConfig(metaclass=_ConfigMeta):
     safe_output_mode: bool = True
     graph_log_url: Any = None
     strict: bool = False
+    cache_dir: Any = default_cache_dir()
 
     def __init__(self, **overrides: Any) -> None:
         cls = type(self)
@@ -241,8 +265,8 @@ class CompilationConfig(metaclass=_ConfigMeta):
     @classmethod
     def reset(cls) -> None:
         """Restore every global setting to its default."""
-        for name, field in _FIELDS.items():
-            setattr(cls, name, FusionPatterns() if name == "fusion_patterns" else field.default)
+        for name in _FIELDS:
+            setattr(cls, name, FusionPatterns() if name == "fusion_patterns" else _default(name))
 
     @classmethod
     def settings(cls) -> Iterator[Tuple[str, Any, str]]:
@@ -252,7 +276,7 @@ class CompilationConfig(metaclass=_ConfigMeta):
                 for sub, sub_field in _FUSION_FIELDS.items():
                     yield f"fusion_patterns.{sub}", sub_field.default, sub_field.doc
             else:
-                yield name, field.default, field.doc
+                yield name, _default(name), field.doc
 
     def copy(self) -> "CompilationConfig":
         return CompilationConfig(**self.to_dict())

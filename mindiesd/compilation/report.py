@@ -24,6 +24,7 @@ class GraphRecord:
     seconds: float = 0.0
     fallback: Optional[str] = None  # why the unfused graph runs, if it does
     skipped: Dict[str, str] = field(default_factory=dict)  # enabled families not fused on this device, and why
+    cache: str = "off"  # persistent cache: "off", "hit", "stored", "store failed" or "not cached: <why>"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +71,11 @@ class CompileReport:
     @property
     def compile_seconds(self) -> float:
         return sum(r.seconds for r in self.records)
+
+    @property
+    def cache_hits(self) -> int:
+        """Graphs loaded from the persistent cache instead of compiled."""
+        return sum(1 for r in self.records if r.cache == "hit")
 
     @property
     def fallbacks(self) -> List[str]:

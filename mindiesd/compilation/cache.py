@@ -1,0 +1,420 @@
+"""The persistent compile cache: what the backend made of a graph, on disk, for the next process.
+
+A process that compiles a graph it has compiled before (in an earlier process, or before ``torch._dynamo.reset()``)
+loads the fused aten graph and its fold graph instead of tracing through aot, freezing and the passes again.
+Dynamo still traces the Python code in every new process: the cache starts where Dynamo hands the graph over.
+
+**Key.** A sha256 over everything that can change what the backend produces:
+
+- the entry format, mindiesd's version and a hash of its Python sources, torch's, diffusers' and Python's versions;
+- the device kind (type; for an accelerator also its name and compute capability);
+- the settings snapshot (all but ``cache_dir``, ``graph_log_url``, ``strict``, ``aclgraph_max_graphs`` and
+  ``safe_output_mode``, which change how the graph is run or logged, not the graph) and the families skipped on the device, with the reason (so kernels registered later count);
+- grad mode and autocast state;
+- the code of the Dynamo graph (its submodules included) and the values of its tensor attributes;
+- per example input: shape, strides, storage offset, dtype, device, ``requires_grad``, whether it is a parameter
+  or buffer, and which inputs are the same tensor.
+
+The values of parameters and buffers are not in the key: they are inputs of the cached graph, folded at run time
+as in a fresh compile, so loading a checkpoint or hot-swapping a LoRA keeps the entry valid.
+
+**Entries.** ``<cache_dir>/<key[:2]>/<key>.graph``: a header line (magic, format, key, payload size and sha256)
+and the pickled payload (the graphs as ``torch.fx.GraphModule`` pickles them: their code). An entry is written to a
+temporary file in the same folder and renamed into place, so a reader sees a whole entry or none, and two
+processes writing one entry at once leave one whole entry. A file that is truncated, corrupt, written by another
+format or stored under another key is ignored with a :class:`MindieSDCacheWarning` and the graph is compiled (and
+the entry written) again. Entries are Python pickles: like Inductor's cache, the folder must be trusted (it is the
+user's own by default).
+
+**Not cached** (compiled as without a cache; the graph's ``record.cache`` says why): graphs with symbolic shapes
+(their guards come from the compile), training graphs, graphs under autocast, and graphs whose calling
+convention aot changes (input mutations, outputs that alias an input or an intermediate, duplicated inputs,
+tensor subclasses, effect tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import platform
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.fx import GraphModule
+
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = [
+    "MindieSDCacheWarning", "CachedGraph", "GraphCache", "default_cache_dir", "cache_entries", "clear_cache",
+    "ENV_VAR", "FORMAT",
+]
+
+#: Environment variable: the cache folder, or ``off`` (or empty) to turn the cache off by default.
+ENV_VAR = "MINDIESD_CACHE_DIR"
+#: Version of the entry layout; entries of another format are ignored.
+FORMAT = 1
+_MAGIC = b"MINDIESD-GRAPH-CACHE"
+_SUFFIX = ".graph"
+_OFF = ("", "0", "off", "none", "false")
+
+
+class MindieSDCacheWarning(UserWarning):
+    """A cache entry could not be read or written; the graph is compiled as without a cache."""
+
+
+def default_cache_dir() -> Optional[str]:
+    """``$MINDIESD_CACHE_DIR`` (``off`` or empty: no cache), else ``$XDG_CACHE_HOME/mindiesd``, else
+    ``~/.cache/mindiesd``."""
+    value = os.environ.get(ENV_VAR)
+    if value is not None:
+        return None if value.strip().lower() in _OFF else value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mindiesd")
+
+
+@dataclass
+class CachedGraph:
+    """What the backend produced for one graph: enough to run it and to report on it without compiling."""
+
+    main: GraphModule
+    fold: Optional[GraphModule] = None
+    fold_inputs: List[int] = field(default_factory=list)
+    main_inputs: List[int] = field(default_factory=list)
+    n_folded: int = 0
+    matches: Dict[str, int] = field(default_factory=dict)
+    rules: Dict[str, int] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    nodes_after: int = 0
+
+    def check(self) -> None:
+        """Raise ValueError when the parts do not fit together (a corrupt or foreign payload)."""
+        if not isinstance(self.main, GraphModule) or not (self.fold is None or isinstance(self.fold, GraphModule)):
+            raise ValueError("the payload holds no graph")
+        placeholders = sum(1 for n in self.main.graph.nodes if n.op == "placeholder")
+        if self.fold is None:
+            return
+        fold_placeholders = sum(1 for n in self.fold.graph.nodes if n.op == "placeholder")
+        if fold_placeholders != len(self.fold_inputs) or placeholders != self.n_folded + len(self.main_inputs):
+            raise ValueError("the fold and main graphs do not fit their input lists")
+
+
+# ------------------------------------------------------------------------------------------------ the key
+
+
+_SOURCE_HASH: Optional[str] = None
+
+
+def _source_hash() -> str:
+    """sha256 of mindiesd's Python sources: a changed pass or op schema makes earlier entries stale."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        root = Path(__file__).resolve().parent.parent
+        digest = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+        _SOURCE_HASH = digest.hexdigest()
+    return _SOURCE_HASH
+
+
+def _versions() -> Dict[str, str]:
+    import mindiesd
+
+    try:
+        from importlib.metadata import version
+
+        diffusers = version("diffusers")
+    except Exception:  # not installed
+        diffusers = "-"
+    return {
+        "format": str(FORMAT), "mindiesd": mindiesd.__version__, "sources": _source_hash(), "torch": torch.__version__,
+        "diffusers": diffusers, "python": platform.python_version(),
+    }
+
+
+def device_kind(device: Optional[torch.device]) -> str:
+    """The device type, and for an accelerator its name and compute capability."""
+    if device is None:
+        return "none"
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:{torch.cuda.get_device_name(index)}:sm{major}{minor}"
+    if device.type == "npu":
+        try:
+            return f"npu:{torch.npu.get_device_name(device.index or 0)}"  # type: ignore[attr-defined]
+        except Exception:
+            return "npu"
+    return device.type
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _graph_text(gm: torch.nn.Module, digest: "hashlib._Hash") -> None:
+    """The code of ``gm`` and of its graph submodules, and the values of its tensor attributes."""
+    for name, module in sorted(gm.named_modules(), key=lambda item: item[0]):
+        digest.update(f"module {name} {type(module).__name__}\n".encode())
+        if isinstance(module, GraphModule):
+            digest.update(module.code.encode())
+        for attr, value in sorted(vars(module).get("_parameters", {}).items()) + sorted(
+            vars(module).get("_buffers", {}).items()
+        ):
+            if value is not None:
+                digest.update(f"tensor {attr} {_tensor_meta(value)}\n".encode())
+                digest.update(_tensor_bytes(value))
+    if isinstance(gm, GraphModule):
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                value = _get_attr(gm, node.target)
+                if isinstance(value, torch.Tensor):
+                    digest.update(f"constant {node.target} {_tensor_meta(value)}\n".encode())
+                    digest.update(_tensor_bytes(value))
+
+
+def _get_attr(gm: torch.nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _tensor_meta(t: torch.Tensor) -> str:
+    return (f"{tuple(t.shape)} {tuple(t.stride())} {t.storage_offset()} {t.dtype} {t.device.type} "
+            f"{t.requires_grad} {type(t).__name__}")
+
+
+def _is_symbolic(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride(), value.storage_offset()))
+    return False
+
+
+def uncacheable_inputs(example_inputs: Sequence[Any]) -> Optional[str]:
+    """Why a graph with these inputs is not cached, or None."""
+    if any(_is_symbolic(v) for v in example_inputs):
+        return "symbolic shapes"
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if any(isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v) for v in example_inputs):
+        return "tensor subclass input"
+    if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
+        return "autocast"
+    return None
+
+
+def graph_key(gm: GraphModule, example_inputs: Sequence[Any], weights: Iterable[int], settings: Dict[str, Any],
+              device: Optional[torch.device], skipped: Dict[str, str]) -> str:
+    """The entry key of ``gm`` compiled for these inputs with these settings on this device."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(_versions(), sort_keys=True).encode())
+    digest.update(f"device {device_kind(device)}\n".encode())
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    digest.update(json.dumps(skipped, sort_keys=True).encode())
+    digest.update(f"grad {torch.is_grad_enabled()}\n".encode())
+    _graph_text(gm, digest)
+    weight_set = set(weights)
+    first_of: Dict[int, int] = {}
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.Tensor):
+            same = first_of.setdefault(id(value), i)
+            digest.update(f"input {i} {_tensor_meta(value)} weight={i in weight_set} same={same}\n".encode())
+        else:
+            digest.update(f"input {i} {type(value).__name__} {value!r}\n".encode())
+    return digest.hexdigest()
+
+
+def calling_convention_problem(aten_gm: GraphModule, n_inputs: int) -> Optional[str]:
+    """Why aot's runtime wrapper does more for this inference graph than calling it (so it is not cached)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if meta is None:
+        return "no aot metadata"
+    if any(info.mutates_data or info.mutates_metadata for info in meta.input_info):
+        return "input mutation"
+    if any(info.output_type.name != "non_alias" for info in meta.output_info):
+        return "an output aliases an input or an intermediate"
+    if meta.num_intermediate_bases or getattr(meta, "tokens", None):
+        return "intermediate bases or effect tokens"
+    placeholders = sum(1 for n in aten_gm.graph.nodes if n.op == "placeholder")
+    if placeholders != n_inputs:
+        return "aot changed the inputs (duplicates or lifted attributes)"
+    outputs = next(n for n in reversed(aten_gm.graph.nodes) if n.op == "output").args[0]
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(meta.output_info):
+        return "aot changed the outputs"
+    return None
+
+
+def runnable(entry: CachedGraph) -> Callable[..., Any]:
+    """The callable Dynamo gets from a cache hit: the graphs on the flat inputs, without gradients (as aot runs
+    an inference graph)."""
+    from .freezing import FrozenGraph
+
+    if entry.fold is not None:
+        frozen = FrozenGraph(entry.fold, entry.main, list(entry.fold_inputs), list(entry.main_inputs), entry.n_folded)
+        run_graph = frozen.bind(entry.main.forward)
+    else:
+        frozen, run_graph = None, entry.main.forward
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return run_graph(*args)
+
+    run.frozen = frozen  # type: ignore[attr-defined]
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ the store
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"mindiesd cache: {message}", MindieSDCacheWarning, stacklevel=4)
+
+
+class GraphCache:
+    """Entries of one cache folder."""
+
+    def __init__(self, root: str):
+        self.root = Path(root).expanduser()
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}{_SUFFIX}"
+
+    def load(self, key: str) -> Optional[CachedGraph]:
+        """The entry stored under ``key``; None when there is none or it is unusable (with a warning)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            _warn(f"cannot read {path} ({exc}); compiling")
+            return None
+        try:
+            entry = _decode(data, key)
+        except Exception as exc:
+            _warn(f"ignoring the unusable entry {path} ({type(exc).__name__}: {exc}); compiling again")
+            return None
+        log.debug("cache hit %s", path)
+        return entry
+
+    def store(self, key: str, entry: CachedGraph) -> Optional[Path]:
+        """Write ``entry`` atomically; returns the path, or None (with a warning) when it cannot be written."""
+        path = self.path(key)
+        try:
+            data = _encode(entry, key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with _ignored():
+                    os.unlink(tmp)
+                raise
+        except Exception as exc:
+            _warn(f"cannot write {path} ({type(exc).__name__}: {exc}); the graph is compiled again next time")
+            return None
+        log.debug("cache store %s (%d bytes)", path, len(data))
+        return path
+
+
+class _ignored:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return True
+
+
+def _encode(entry: CachedGraph, key: str) -> bytes:
+    buffer = io.BytesIO()
+    pickle.dump(entry, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = buffer.getvalue()
+    header = {"format": FORMAT, "key": key, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return _MAGIC + b" " + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
+
+
+def _decode(data: bytes, key: str) -> CachedGraph:
+    line, sep, payload = data.partition(b"\n")
+    if not sep or not line.startswith(_MAGIC + b" "):
+        raise ValueError("not a mindiesd cache entry")
+    header = json.loads(line[len(_MAGIC) + 1:].decode())
+    if header.get("format") != FORMAT:
+        raise ValueError(f"entry format {header.get('format')!r}, this mindiesd reads {FORMAT}")
+    if header.get("key") != key:
+        raise ValueError("the entry was stored under another key")
+    if header.get("size") != len(payload):
+        raise ValueError(f"truncated: {len(payload)} of {header.get('size')} bytes")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch")
+    entry = pickle.loads(payload)
+    if not isinstance(entry, CachedGraph):
+        raise ValueError(f"the payload is a {type(entry).__name__}")
+    entry.check()
+    return entry
+
+
+def cache_entries(cache_dir: Optional[str] = None) -> List[Path]:
+    """The entry files of ``cache_dir`` (default: the configured folder)."""
+    root = _resolve(cache_dir)
+    if root is None or not root.is_dir():
+        return []
+    return sorted(root.glob(f"??/*{_SUFFIX}"))
+
+
+def clear_cache(cache_dir: Optional[str] = None) -> int:
+    """Delete every entry (and leftover temporary file) of ``cache_dir``; returns how many entries were removed."""
+    root = _resolve(cache_dir)
+    if root is None or not root.is_dir():
+        return 0
+    removed = 0
+    for path in list(root.glob(f"??/*{_SUFFIX}")) + list(root.glob("??/.*.tmp")):
+        with _ignored():
+            path.unlink()
+            removed += path.suffix == _SUFFIX
+    for folder in root.glob("??"):
+        with _ignored():
+            folder.rmdir()
+    return removed
+
+
+def _resolve(cache_dir: Optional[str]) -> Optional[Path]:
+    if cache_dir is None:
+        from .config import CompilationConfig
+
+        cache_dir = CompilationConfig.cache_dir
+    return Path(cache_dir).expanduser() if cache_dir else None
+
+
+def settings_for_key(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The settings that can change the compiled graph."""
+    return {k: v for k, v in settings.items() if k not in _RUN_TIME_SETTINGS}
+
+
+#: Settings that change how the compiled graph is run or logged, not the graph.
+_RUN_TIME_SETTINGS = ("cache_dir", "graph_log_url", "strict", "aclgraph_max_graphs", "safe_output_mode")
+
+
+def describe(cache_dir: Optional[str] = None) -> Tuple[Optional[Path], int, int]:
+    """(folder, entries, bytes) of ``cache_dir`` (default: the configured folder)."""
+    entries = cache_entries(cache_dir)
+    return _resolve(cache_dir), len(entries), sum(p.stat().st_size for p in entries)
+

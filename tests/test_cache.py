@@ -1,0 +1,342 @@
+"""The persistent compile cache (``CompilationConfig.cache_dir``).
+
+What a user checks: a second compile of the same graph (after ``torch._dynamo.reset()``, or in a new process)
+loads the entry instead of compiling, runs the same fused ops and gives eager's output; anything that can
+change the result (settings, input shapes, dtype, the code) is another entry; the weights' values are not in
+the key and are folded at run time; a broken, truncated or foreign entry is ignored with a warning and compiled
+again; concurrent writers leave a whole entry.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusion_utils import WeightedBlock, assert_close, count_fused
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from mindiesd.compilation import cache as graph_cache
+from mindiesd.compilation.cache import GraphCache, MindieSDCacheWarning
+
+
+def _compile_and_run(model, *args, cache_dir, **settings):
+    """A fresh Dynamo, a fresh backend with the cache in ``cache_dir``; returns (output, backend)."""
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=str(cache_dir), **settings), keep_graphs=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        out = torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return out, backend
+
+
+def _states(backend):
+    return [r.cache for r in backend.report().records]
+
+
+@pytest.fixture
+def block():
+    torch.manual_seed(0)
+    return WeightedBlock(16), torch.randn(2, 8, 16)
+
+
+def test_second_compile_loads_the_entry_and_fuses_the_same(tmp_path, block):
+    model, x = block
+    with torch.no_grad():
+        expected = model(x)
+    cold_out, cold = _compile_and_run(model, x, cache_dir=tmp_path)
+    assert _states(cold) == ["stored"]
+    assert len(graph_cache.cache_entries(str(tmp_path))) == 1
+    warm_out, warm = _compile_and_run(model, x, cache_dir=tmp_path)
+    assert _states(warm) == ["hit"]
+    assert warm.report().cache_hits == 1
+    assert count_fused(warm) == count_fused(cold) and count_fused(warm)["rms_norm"] == 1
+    assert count_fused(warm)["fast_gelu"] == 1
+    assert warm.report().matches == cold.report().matches
+    assert warm.report().records[0].folded_constants == cold.report().records[0].folded_constants > 0
+    assert_close(warm_out, expected)
+    assert_close(cold_out, expected)
+
+
+def test_the_fused_op_runs_on_a_hit(tmp_path, block):
+    model, x = block
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x)
+    names = [e.name for e in prof.events()]
+    assert _states(backend) == ["hit"]
+    assert names.count("mindiesd::rms_norm") == 1 and names.count("mindiesd::fast_gelu") == 1
+
+
+def test_weights_are_not_in_the_key_and_are_folded_at_run_time(tmp_path, block):
+    model, x = block
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    other = WeightedBlock(16, seed=7)  # same structure, other weights and buffer (the folded table changes)
+    with torch.no_grad():
+        expected = other(x)
+    out, backend = _compile_and_run(other, x, cache_dir=tmp_path)
+    assert _states(backend) == ["hit"]
+    assert_close(out, expected)
+    # a weight changed in place after the load is folded again, as in a fresh compile
+    compiled = torch.compile(other, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        other.freqs.mul_(3.0)
+        other.norm.weight.add_(1.0)
+        assert_close(compiled(x), other(x))
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["rope_off_changes_nothing_but_the_key", "gelu_off", "freezing_off", "shape", "dtype", "grad_mode"],
+)
+def test_what_can_change_the_result_is_another_entry(tmp_path, block, change):
+    model, x = block
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    settings = {}
+    args = (x,)
+    if change == "rope_off_changes_nothing_but_the_key":
+        settings = {"fusion_patterns": {"enable_rope": False}}
+    elif change == "gelu_off":
+        settings = {"fusion_patterns": {"enable_fast_gelu": False}}
+    elif change == "freezing_off":
+        settings = {"enable_freezing": False}
+    elif change == "shape":
+        args = (torch.randn(2, 12, 16),)
+    elif change == "dtype":
+        model = model.to(torch.bfloat16)
+        args = (x.to(torch.bfloat16),)
+    if change == "grad_mode":
+        torch._dynamo.reset()
+        backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)), keep_graphs=True)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        torch.compile(model, backend=backend, fullgraph=True)(x)  # grad enabled, nothing requires it
+        assert _states(backend) == ["stored"]
+        return
+    out, backend = _compile_and_run(model, *args, cache_dir=tmp_path, **settings)
+    assert _states(backend) == ["stored"], change
+    assert len(graph_cache.cache_entries(str(tmp_path))) == 2
+    with torch.no_grad():
+        assert_close(out, model(*args))
+    if change == "gelu_off":
+        assert count_fused(backend)["fast_gelu"] == 0
+
+
+def test_run_time_settings_share_the_entry(tmp_path, block):
+    model, x = block
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    _, backend = _compile_and_run(model, x, cache_dir=tmp_path, strict=True, graph_log_url=str(tmp_path / "log"),
+                                  safe_output_mode=False, aclgraph_max_graphs=3)
+    assert _states(backend) == ["hit"]
+
+
+def test_the_code_is_in_the_key(tmp_path):
+    class A(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x, approximate="tanh") * 2.0
+
+    class B(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x, approximate="tanh") * 3.0
+
+    x = torch.randn(4, 8)
+    _, first = _compile_and_run(A(), x, cache_dir=tmp_path)
+    out, second = _compile_and_run(B(), x, cache_dir=tmp_path)
+    assert _states(first) == _states(second) == ["stored"]
+    assert_close(out, B()(x))
+
+
+def _entry_path(tmp_path: Path) -> Path:
+    (path,) = graph_cache.cache_entries(str(tmp_path))
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped_byte", "garbage", "empty", "foreign_key", "other_format",
+                                    "wrong_payload"])
+def test_a_broken_entry_is_ignored_with_a_warning_and_compiled_again(tmp_path, block, damage):
+    model, x = block
+    with torch.no_grad():
+        expected = model(x)
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    path = _entry_path(tmp_path)
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped_byte":
+        damaged = bytearray(data)
+        damaged[-100] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "foreign_key":
+        key = path.stem
+        path.write_bytes(data.replace(key.encode(), ("0" * len(key)).encode(), 1))
+    elif damage == "other_format":
+        path.write_bytes(data.replace(b'"format": 1', b'"format": 99', 1))
+    elif damage == "wrong_payload":
+        GraphCache(str(tmp_path)).store(path.stem, graph_cache.CachedGraph(main=torch.fx.symbolic_trace(
+            torch.nn.Identity()), fold=torch.fx.symbolic_trace(torch.nn.Identity()), fold_inputs=[0], n_folded=5))
+    with pytest.warns(MindieSDCacheWarning, match="ignoring the unusable entry"):
+        out, backend = _compile_and_run(model, x, cache_dir=tmp_path)
+    assert _states(backend) == ["stored"]
+    assert_close(out, expected)
+    _, again = _compile_and_run(model, x, cache_dir=tmp_path)  # the entry was written anew
+    assert _states(again) == ["hit"]
+
+
+def test_an_unwritable_folder_warns_and_compiles(tmp_path, block):
+    model, x = block
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.warns(MindieSDCacheWarning, match="cannot write"):
+        out, backend = _compile_and_run(model, x, cache_dir=blocker / "cache")
+    assert _states(backend) == ["store failed"]
+    with torch.no_grad():
+        assert_close(out, model(x))
+
+
+def _store_many(root: str, key: str, n: int, payload_size: int) -> None:
+    table = torch.full((payload_size,), float(payload_size))
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    gm.register_buffer("table", table)
+    for _ in range(n):
+        GraphCache(root).store(key, graph_cache.CachedGraph(main=gm, nodes_after=payload_size))
+
+
+def test_concurrent_writers_leave_a_whole_entry(tmp_path):
+    key = "ab" + "0" * 62
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_store_many, args=(str(tmp_path), key, 20, size)) for size in (100_000, 150_000)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDCacheWarning)
+        entry = GraphCache(str(tmp_path)).load(key)
+    assert entry is not None and entry.nodes_after in (100_000, 150_000)
+    assert entry.main.table.numel() == entry.nodes_after  # the payload is one writer's, whole
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_graphs_that_are_not_cached_say_why(tmp_path):
+    x = torch.randn(4, 8)
+
+    def returns_a_view_of_its_input(t):
+        return t.view(8, 4), torch.nn.functional.gelu(t, approximate="tanh")
+
+    _, backend = _compile_and_run(returns_a_view_of_its_input, x, cache_dir=tmp_path)
+    assert _states(backend) == ["not cached: an output aliases an input or an intermediate"]
+
+    def mutates(t):
+        t.add_(1.0)
+        return torch.nn.functional.gelu(t, approximate="tanh")
+
+    _, backend = _compile_and_run(mutates, x.clone(), cache_dir=tmp_path)
+    assert _states(backend) == ["not cached: input mutation"]
+
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
+    with torch.no_grad():
+        torch.compile(lambda t: torch.nn.functional.gelu(t, approximate="tanh"), backend=backend, dynamic=True)(x)
+    assert _states(backend) == ["not cached: symbolic shapes"]
+
+    lin = torch.nn.Linear(8, 8)
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
+    torch.compile(lin, backend=backend)(x).sum().backward()
+    assert _states(backend) == ["not cached: training graph"]
+    assert lin.weight.grad is not None
+    assert graph_cache.cache_entries(str(tmp_path)) == []
+
+
+def test_cache_off(tmp_path, block, monkeypatch):
+    model, x = block
+    _, backend = _compile_and_run(model, x, cache_dir=tmp_path, **{})
+    assert _states(backend) == ["stored"]
+    torch._dynamo.reset()
+    off = MindieSDBackend(CompilationConfig(cache_dir=None))
+    with torch.no_grad():
+        torch.compile(model, backend=off)(x)
+    assert _states(off) == ["off"]
+    for value, expected in (("off", None), ("", None), ("0", None), (str(tmp_path / "env"), str(tmp_path / "env"))):
+        monkeypatch.setenv(graph_cache.ENV_VAR, value)
+        CompilationConfig.reset()
+        assert CompilationConfig.cache_dir == expected
+    monkeypatch.delenv(graph_cache.ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    CompilationConfig.reset()
+    assert CompilationConfig.cache_dir == str(tmp_path / "xdg" / "mindiesd")
+
+
+def test_bad_cache_dir_values_raise():
+    from mindiesd.compilation import SettingTypeError
+
+    with pytest.raises(SettingTypeError, match="cache_dir must be None or a folder path"):
+        CompilationConfig.cache_dir = 3
+    with pytest.raises(SettingTypeError, match="cache_dir"):
+        CompilationConfig(cache_dir="s3://bucket/cache")
+
+
+def test_clear_and_describe(tmp_path, block):
+    model, x = block
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    folder, entries, size = graph_cache.describe(str(tmp_path))
+    assert folder == tmp_path and entries == 1 and size > 0
+    assert graph_cache.clear_cache(str(tmp_path)) == 1
+    assert graph_cache.cache_entries(str(tmp_path)) == []
+    from mindiesd.__main__ import main
+
+    _compile_and_run(model, x, cache_dir=tmp_path)
+    assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert graph_cache.cache_entries(str(tmp_path)) == []
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings, torch
+    warnings.simplefilter("error")
+    from mindiesd import zoo
+    from mindiesd.compilation import CompilationConfig, MindieSDBackend
+    case = zoo.build(sys.argv[1], "tiny")
+    backend = MindieSDBackend(CompilationConfig(cache_dir=sys.argv[2]))
+    with torch.no_grad():
+        expected = case.model(**case.inputs)[0]
+        out = torch.compile(case.model, backend=backend)(**case.inputs)[0]
+    error = float(((out - expected).abs().max() / expected.abs().max()))
+    assert error < 1e-5, error
+    report = backend.report()
+    print([r.cache for r in report.records], sorted(report.matches.items()))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_a_new_process_loads_what_the_first_stored(tmp_path, name):
+    pytest.importorskip("diffusers")
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, MINDIESD_CACHE_DIR="off")
+
+    def run():
+        done = subprocess.run([sys.executable, str(script), name, str(tmp_path / "cache")], env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    cold, warm = run(), run()
+    assert cold.startswith("['stored']") and warm.startswith("['hit']"), (cold, warm)
+    assert cold.split("] ", 1)[1] == warm.split("] ", 1)[1]  # the same fused counts
