@@ -68,7 +68,7 @@ def _cache_command(args: argparse.Namespace) -> int:
     if args.action == "clear":
         print(f"removed {cache.clear_cache(args.cache_dir)} entries from {folder}")
     else:
-        print(f"{folder}: {entries} entries, {size / 2**20:.1f} MiB")
+        print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'}, {size / 2**20:.1f} MiB")
     return 0
 
 

@@ -43,6 +43,8 @@ BASE_COLUMNS = (
     "fallbacks",
     "max_rel_err",
     "compile_s",
+    "backend_s",
+    "cache",
     "eager_ms",
     "mindiesd_ms",
     "speedup",
@@ -196,12 +198,32 @@ def _timed_first_call(fn: Callable[[], Any], progress: Progress, label: str) -> 
     return out, seconds
 
 
-def _default_backend():
+#: ``cache_dir`` argument meaning "whatever CompilationConfig.cache_dir says" (the user's persistent cache).
+USER_CACHE = "user"
+
+
+def _backend(cache_dir: Any = USER_CACHE, **settings: Any):
     try:
-        from .compilation import MindieSDBackend
+        from .compilation import CompilationConfig, MindieSDBackend
     except ImportError as exc:
         raise ImportError(f"the MindieSD backend could not be imported: {exc}") from exc
-    return MindieSDBackend()
+    if cache_dir != USER_CACHE:
+        settings["cache_dir"] = cache_dir
+    return MindieSDBackend(CompilationConfig(**settings))
+
+
+def _cache_state(records: Sequence[Any]) -> str:
+    """One word for the persistent cache over a compile's graphs: hit, stored, off, or a tally of the outcomes."""
+    states = [str(getattr(record, "cache", "off")) for record in records]
+    states = ["not cached" if state.startswith("not cached") else state for state in states]
+    if not states:
+        return "-"
+    if len(set(states)) == 1:
+        return states[0]
+    tally: dict[str, int] = {}
+    for state in states:
+        tally[state] = tally.get(state, 0) + 1
+    return "/".join(f"{n} {state}" for state, n in tally.items())
 
 
 def _report_fields(backend: Any) -> dict[str, Any]:
@@ -215,6 +237,7 @@ def _report_fields(backend: Any) -> dict[str, Any]:
     fields["fallback_reasons"] = reasons
     backend_seconds = getattr(report, "compile_seconds", None)
     fields["backend_s"] = float(backend_seconds) if backend_seconds is not None else None
+    fields["cache"] = _cache_state(getattr(report, "records", None) or [])
     return fields
 
 
@@ -228,6 +251,7 @@ def run_case(
     backend: Any = None,
     progress: Progress | None = None,
     capture: bool = False,
+    cache_dir: Any = USER_CACHE,
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -239,7 +263,10 @@ def run_case(
     ``speed_vs_inductor`` (Inductor ms / mindiesd ms, above 1 means mindiesd is
     faster). With ``capture`` also the first-call seconds and steady ms of a second compile with
     ``aclgraph_with_compile`` on (``None`` where the device has no device graph, e.g. CPU). Resets Dynamo
-    before and after so each compile is cold.
+    before and after so each compile starts from nothing in this process; ``cache_dir`` is the persistent cache
+    the backends use (default: ``CompilationConfig.cache_dir``; ``None``: none). ``backend_s`` is the backend's
+    share of ``compile_s`` (the rest is Dynamo's trace and the first run); ``cache`` says whether the graphs
+    were loaded from the persistent cache (``hit``) or compiled and stored (``stored``).
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -248,7 +275,7 @@ def run_case(
     if warmup < 0:
         raise ValueError(f"warmup must be non-negative, got {warmup}")
     progress = progress if progress is not None else Progress()
-    backend = backend if backend is not None else _default_backend()
+    backend = backend if backend is not None else _backend(cache_dir)
     model, inputs = case.model, case.inputs
     device = _case_device(case)
     tag = f"{case.name}/{case.size}"
@@ -290,13 +317,12 @@ def run_case(
                     runners["inductor"] = lambda: inductor(**inputs)
             if capture:
                 row.update(dict.fromkeys(CAPTURE_COLUMNS))
-                from .compilation import CompilationConfig, MindieSDBackend
                 from .compilation.device_graph import adapter_for
 
                 if adapter_for(device) is None:
                     progress.note(f"no device graph on {device.type}: capture columns left empty")
                 else:
-                    graphed = torch.compile(model, backend=MindieSDBackend(CompilationConfig(aclgraph_with_compile=True)))
+                    graphed = torch.compile(model, backend=_backend(cache_dir, aclgraph_with_compile=True))
                     _, row["capture_first_s"] = _timed_first_call(
                         lambda: graphed(**inputs), progress, f"compiling and capturing {tag}"
                     )
@@ -470,12 +496,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("inductor",),
         action="append",
         default=[],
-        help="also compile with this backend and compare (Inductor can take minutes to compile)",
+        help="also compile with this backend and compare (Inductor can take minutes to compile); both compile "
+        "from empty caches unless --inductor-cache or --cache-dir is given",
     )
     parser.add_argument(
         "--inductor-cache",
         action="store_true",
-        help="let Inductor reuse its on-disk cache (default: an empty cache, so its compile time is cold)",
+        help="with --vs inductor: let Inductor and mindiesd reuse their on-disk caches (default: empty ones, so "
+        "both compile times are cold)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="the persistent compile cache to use ('off': none; default: CompilationConfig.cache_dir, i.e. "
+        "$MINDIESD_CACHE_DIR or ~/.cache/mindiesd): a second run in a new process loads the compiled graphs",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="compile from an empty temporary cache (mindiesd's and Inductor's), so compile_s is a cold start",
     )
     parser.add_argument(
         "--capture",
@@ -504,6 +544,26 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     dtype = DTYPES[args.dtype]
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
+    cold = contextlib.ExitStack()
+    if args.cold and args.cache_dir is not None:
+        stderr.write("mindiesd bench: --cold and --cache-dir exclude each other\n")
+        return 2
+    # compile/ind compares cold compiles: with a cold Inductor, mindiesd starts cold too unless told otherwise
+    if args.cold or ("inductor" in args.vs and not args.inductor_cache and args.cache_dir is None):
+        cache_dir: Any = cold.enter_context(tempfile.TemporaryDirectory(prefix="mindiesd-bench-cache-"))
+    elif args.cache_dir is None:
+        cache_dir = USER_CACHE
+    else:
+        cache_dir = None if args.cache_dir.strip().lower() in ("off", "none", "") else args.cache_dir
+    with cold:
+        status = _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
+    if status is not None:
+        return status
+    _print_results(args, rows, failures, stdout)
+    return 1 if failures else 0
+
+
+def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr) -> int | None:
     for name in names:
         try:
             with progress.step(f"building {name}/{args.size} ({args.dtype})"):
@@ -514,9 +574,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
                     iters=args.iters,
                     warmup=args.warmup,
                     vs_inductor="inductor" in args.vs,
-                    inductor_cold_cache=not args.inductor_cache,
+                    inductor_cold_cache=args.cold or not args.inductor_cache,
                     progress=progress,
                     capture=args.capture,
+                    cache_dir=cache_dir,
                 )
             )
         except ImportError as exc:
@@ -527,6 +588,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
             stderr.write(f"mindiesd bench: {name}/{args.size} failed: {type(exc).__name__}: {exc}\n")
         finally:
             case = None
+    return None
+
+
+def _print_results(args, rows, failures, stdout) -> None:
     env = environment()
     if rows:
         stdout.write(format_table(rows, markdown=args.markdown) + "\n")
@@ -534,7 +599,8 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
         stdout.write(
             f"\ntorch {env['torch']}, diffusers {env['diffusers']}, {env['threads']} threads; "
             f"medians of {'/'.join(map(str, iters))} interleaved iters; "
-            "compile_s = wall time of the first compiled call\n"
+            "compile_s = wall time of the first compiled call, backend_s = the backend's share of it; "
+            "cache = persistent compile cache (stored: compiled and written; hit: loaded)\n"
         )
         if any("speed_vs_inductor" in row for row in rows):
             stdout.write(
@@ -546,4 +612,3 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"environment": env, "rows": rows, "failed": failures}, fh, indent=2)
             fh.write("\n")
-    return 1 if failures else 0

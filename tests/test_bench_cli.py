@@ -284,7 +284,7 @@ def test_run_case_and_table_with_a_pass_through_backend():
 
 
 def test_cli_bench_prints_table_and_writes_json(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "_default_backend", _PassThroughBackend)
+    monkeypatch.setattr(bench, "_backend", lambda *args, **settings: _PassThroughBackend())
     out, err = io.StringIO(), io.StringIO()
     path = tmp_path / "rows.json"
     args = build_parser().parse_args(
@@ -332,3 +332,35 @@ def test_run_case_keeps_its_row_when_inductor_fails(monkeypatch):
     assert row["inductor_ms"] is None and row["speed_vs_inductor"] is None
     assert "inductor failed on wan/tiny" in progress.stream.getvalue()
     assert "-" in bench.format_table([row]).splitlines()[2].split()
+
+
+def test_cli_bench_second_run_loads_from_the_cache_dir(tmp_path):
+    """Two runs on one cache folder: the first compiles and stores, the second loads, with the same fusions."""
+    rows = []
+    for _ in range(2):
+        path = tmp_path / f"run{len(rows)}.json"
+        args = build_parser().parse_args(["bench", "--model", "wan", "--iters", "1", "--warmup", "0", "--quiet",
+                                          "--cache-dir", str(tmp_path / "cache"), "--json", str(path)])
+        assert bench.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+        rows.append(json.loads(path.read_text())["rows"][0])
+    first, second = rows
+    assert (first["cache"], second["cache"]) == ("stored", "hit")
+    assert {f: second[f] for f in bench.FAMILIES} == {f: first[f] for f in bench.FAMILIES}
+    assert sum(first[f] for f in bench.FAMILIES) > 0
+    assert 0 < second["backend_s"] < first["backend_s"]
+    assert second["max_rel_err"] < 1e-5
+
+
+def test_cli_bench_cold_uses_an_empty_cache_and_excludes_cache_dir(tmp_path, monkeypatch):
+    from mindiesd.compilation import CompilationConfig
+
+    monkeypatch.setattr(CompilationConfig, "cache_dir", str(tmp_path / "user"))  # the user's cache: left alone
+    out = io.StringIO()
+    args = build_parser().parse_args(["bench", "--model", "wan", "--iters", "1", "--warmup", "0", "--quiet", "--cold"])
+    assert bench.run(args, stdout=out, stderr=io.StringIO()) == 0
+    assert out.getvalue().splitlines()[2].split()[bench.BASE_COLUMNS.index("cache")] == "stored"
+    assert not (tmp_path / "user").exists(), "--cold must leave the user's cache alone"
+    err = io.StringIO()
+    args = build_parser().parse_args(["bench", "--cold", "--cache-dir", str(tmp_path)])
+    assert bench.run(args, stdout=io.StringIO(), stderr=err) == 2
+    assert "exclude each other" in err.getvalue()
