@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -59,10 +60,19 @@ INDUCTOR_COLUMNS = (
 
 CAPTURE_COLUMNS = ("capture_first_s", "capture_ms", "capture_speedup")
 
+REGIONAL_COLUMNS = ("regional_graphs", "regional_fused", "regional_max_rel_err", "regional_compile_s",
+                    "regional_ms", "regional_speedup")
+
 _HEADERS = {
     "capture_first_s": "capture_first_s",
     "capture_ms": "captured_ms",
     "capture_speedup": "capt/eager",
+    "regional_graphs": "reg_graphs",
+    "regional_fused": "reg_fused",
+    "regional_max_rel_err": "reg_rel_err",
+    "regional_compile_s": "reg_compile_s",
+    "regional_ms": "regional_ms",
+    "regional_speedup": "reg/eager",
     "adalayernorm": "adaln",
     "fast_gelu": "gelu",
     "fallbacks": "fallback",
@@ -241,6 +251,33 @@ def _report_fields(backend: Any) -> dict[str, Any]:
     return fields
 
 
+def fused_ops_run(fn: Callable[[], Any]) -> int:
+    """How many fused ``mindiesd::`` ops one call of ``fn`` runs (counted by the profiler, so what really ran)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name.startswith("mindiesd::"))
+
+
+def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, cache_dir: Any, progress: Progress,
+                      tag: str, row: dict[str, Any]) -> Callable[[], Any] | None:
+    """Compile a copy of ``model`` with diffusers' ``compile_repeated_blocks``; fill the regional columns."""
+    classes = zoo.repeated_blocks(model)
+    if not classes or not hasattr(model, "compile_repeated_blocks"):
+        progress.note(f"{tag} has no repeated blocks: regional columns left empty")
+        return None
+    blocks_model = copy.deepcopy(model)
+    blocks_model._repeated_blocks = list(classes)  # what the class declares, or its ModuleList's block class
+    backend = _backend(cache_dir)
+    blocks_model.compile_repeated_blocks(backend=backend)
+    out, row["regional_compile_s"] = _timed_first_call(
+        lambda: blocks_model(**inputs), progress, f"compiling the repeated blocks of {tag} with mindiesd"
+    )
+    row["regional_max_rel_err"] = max_relative_error(out, reference)
+    row["regional_graphs"] = backend.report().graphs
+    row["regional_fused"] = fused_ops_run(lambda: blocks_model(**inputs))
+    return lambda: blocks_model(**inputs)
+
+
 def run_case(
     case: zoo.Case,
     *,
@@ -252,6 +289,7 @@ def run_case(
     progress: Progress | None = None,
     capture: bool = False,
     cache_dir: Any = USER_CACHE,
+    regional: bool = False,
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -266,7 +304,9 @@ def run_case(
     before and after so each compile starts from nothing in this process; ``cache_dir`` is the persistent cache
     the backends use (default: ``CompilationConfig.cache_dir``; ``None``: none). ``backend_s`` is the backend's
     share of ``compile_s`` (the rest is Dynamo's trace and the first run); ``cache`` says whether the graphs
-    were loaded from the persistent cache (``hit``) or compiled and stored (``stored``).
+    were loaded from the persistent cache (``hit``) or compiled and stored (``stored``). With ``regional`` also
+    a copy compiled with diffusers' ``compile_repeated_blocks``: its graphs, fused ops run per forward (beside
+    ``fused``, the whole-model compile's), error, first-call seconds and steady ms.
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -298,6 +338,8 @@ def run_case(
             row.update(_report_fields(backend))
             row["max_rel_err"] = max_relative_error(out, reference)
             row["compile_s"] = compile_s
+            if regional:
+                row["fused"] = fused_ops_run(lambda: compiled(**inputs))
 
             runners = {"eager": lambda: model(**inputs), "mindiesd": lambda: compiled(**inputs)}
             if vs_inductor:
@@ -327,6 +369,11 @@ def run_case(
                         lambda: graphed(**inputs), progress, f"compiling and capturing {tag}"
                     )
                     runners["captured"] = lambda: graphed(**inputs)
+            if regional:
+                row.update(dict.fromkeys(REGIONAL_COLUMNS))
+                run_regional = _regional_variant(model, inputs, reference, cache_dir, progress, tag, row)
+                if run_regional is not None:
+                    runners["regional"] = run_regional
             medians = _time(runners, iters, warmup, device, progress, tag)
     finally:
         torch._dynamo.reset()
@@ -338,6 +385,9 @@ def run_case(
         row["inductor_ms"] = medians["inductor"]
         row["compile_vs_inductor"] = row["compile_s"] / row["inductor_compile_s"]
         row["speed_vs_inductor"] = medians["inductor"] / medians["mindiesd"]
+    if "regional" in medians:
+        row["regional_ms"] = medians["regional"]
+        row["regional_speedup"] = medians["eager"] / medians["regional"]
     if "captured" in medians:
         row["capture_ms"] = medians["captured"]
         row["capture_speedup"] = medians["eager"] / medians["captured"]
@@ -358,11 +408,11 @@ def _format_value(column: str, value: Any) -> str:
         return "-"
     if isinstance(value, str):
         return value
-    if column in FAMILIES or column in ("graphs", "fallbacks", "iters"):
+    if column in FAMILIES or column in ("graphs", "fallbacks", "iters", "fused", "regional_graphs", "regional_fused"):
         return str(int(value))
     if column.endswith("rel_err"):
         return f"{value:.1e}"
-    if column in ("speedup", "speed_vs_inductor", "capture_speedup"):
+    if column in ("speedup", "speed_vs_inductor", "capture_speedup", "regional_speedup"):
         return f"{value:.2f}x"
     if column == "compile_vs_inductor":
         return f"{value:.3f}"
@@ -374,9 +424,11 @@ def _format_value(column: str, value: Any) -> str:
 
 
 def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The base columns, plus Inductor's and capture's when any row has them."""
+    """The base columns, plus Inductor's, capture's and regional compilation's when any row has them."""
     columns = list(BASE_COLUMNS)
-    for extra in (INDUCTOR_COLUMNS, CAPTURE_COLUMNS):
+    if any("fused" in row for row in rows):
+        columns.insert(columns.index("graphs"), "fused")
+    for extra in (INDUCTOR_COLUMNS, CAPTURE_COLUMNS, REGIONAL_COLUMNS):
         if any(column in row for row in rows for column in extra):
             columns += extra
     return columns
@@ -518,6 +570,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile from an empty temporary cache (mindiesd's and Inductor's), so compile_s is a cold start",
     )
     parser.add_argument(
+        "--regional",
+        action="store_true",
+        help="also compile a copy with diffusers' compile_repeated_blocks (regional compilation): its graphs, "
+        "fused ops run per forward, error, compile seconds and steady ms beside the whole-model figures",
+    )
+    parser.add_argument(
         "--capture",
         action="store_true",
         help="also compile with aclgraph_with_compile=True: first-call seconds and steady ms of replay "
@@ -578,6 +636,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     progress=progress,
                     capture=args.capture,
                     cache_dir=cache_dir,
+                    regional=args.regional,
                 )
             )
         except ImportError as exc:
@@ -602,6 +661,11 @@ def _print_results(args, rows, failures, stdout) -> None:
             "compile_s = wall time of the first compiled call, backend_s = the backend's share of it; "
             "cache = persistent compile cache (stored: compiled and written; hit: loaded)\n"
         )
+        if any("regional_ms" in row for row in rows):
+            stdout.write(
+                "fused / reg_fused = fused ops run in one forward, whole model / repeated blocks compiled "
+                "(compile_repeated_blocks); reg/eager = eager_ms / regional_ms\n"
+            )
         if any("speed_vs_inductor" in row for row in rows):
             stdout.write(
                 "compile/ind = mindiesd compile_s / inductor compile_s; "

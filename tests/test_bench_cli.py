@@ -364,3 +364,18 @@ def test_cli_bench_cold_uses_an_empty_cache_and_excludes_cache_dir(tmp_path, mon
     args = build_parser().parse_args(["bench", "--cold", "--cache-dir", str(tmp_path)])
     assert bench.run(args, stdout=io.StringIO(), stderr=err) == 2
     assert "exclude each other" in err.getvalue()
+
+
+def test_cli_bench_regional_reports_the_repeated_blocks_compile_beside_the_whole_model(tmp_path):
+    path = tmp_path / "rows.json"
+    out = io.StringIO()
+    args = build_parser().parse_args(["bench", "--model", "wan", "--iters", "1", "--warmup", "0", "--quiet",
+                                      "--cache-dir", "off", "--regional", "--json", str(path)])
+    assert bench.run(args, stdout=out, stderr=io.StringIO()) == 0
+    row = json.loads(path.read_text())["rows"][0]
+    assert all(row[c] is not None for c in bench.REGIONAL_COLUMNS), row
+    # tiny Wan: one block class; outside the blocks only norm_out's modulation and the text embedder's GELU
+    assert row["regional_graphs"] == 1 and row["regional_fused"] == row["fused"] - 2
+    assert row["fused"] == sum(row[f] for f in bench.FAMILIES)
+    assert row["regional_max_rel_err"] < 1e-5 and row["regional_compile_s"] > 0 and row["regional_ms"] > 0
+    assert "reg_compile_s" in out.getvalue().splitlines()[0]

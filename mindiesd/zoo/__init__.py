@@ -34,7 +34,7 @@ from ._base import GROUPS, Entry, Spec
 
 __all__ = [
     "Case", "Entry", "Spec", "GROUPS", "REGISTRY", "MODELS", "SIZES", "ModelUnavailableError",
-    "build", "entry", "names", "available", "config_for", "expected_counts", "gaps",
+    "build", "entry", "names", "available", "config_for", "expected_counts", "gaps", "repeated_blocks",
 ]
 
 #: name -> entry, in registration order (core first).
@@ -102,6 +102,23 @@ def gaps(name: str) -> Dict[str, str]:
 def expected_counts(case: Case) -> Dict[str, int]:
     """``case.expected()``: the fused ops per family one forward of the case's model contains."""
     return case.expected()
+
+
+def repeated_blocks(model: nn.Module) -> Tuple[str, ...]:
+    """The block classes regional compilation compiles: the ``_repeated_blocks`` the diffusers class declares,
+    else (SD3, CogVideoX, CogView4, ... declare none in diffusers 0.42) the ``...Block`` classes that make up a
+    ``ModuleList`` of two or more blocks of one class. Set ``model._repeated_blocks`` to this before ``compile_repeated_blocks``.
+    """
+    declared = tuple(getattr(model, "_repeated_blocks", None) or ())
+    if declared:
+        return declared
+    found = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2:
+            classes = {type(child).__name__ for child in module}
+            if len(classes) == 1 and (cls := classes.pop()).endswith("Block") and cls not in found:
+                found.append(cls)
+    return tuple(found)
 
 
 def config_for(name: str, size: str = "tiny") -> Dict[str, Any]:
