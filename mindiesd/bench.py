@@ -587,6 +587,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from . import bench_pipeline
+
+    bench_pipeline.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
@@ -596,29 +599,38 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     progress = QuietProgress() if args.quiet else Progress(stderr)
+    if getattr(args, "pipeline", None):
+        from . import bench_pipeline
+
+        return bench_pipeline.run(args, stdout, stderr, progress)
     names = select_models(args.model, args.size, stderr)
     if not names:
         return 2
     dtype = DTYPES[args.dtype]
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
-    cold = contextlib.ExitStack()
     if args.cold and args.cache_dir is not None:
         stderr.write("mindiesd bench: --cold and --cache-dir exclude each other\n")
         return 2
-    # compile/ind compares cold compiles: with a cold Inductor, mindiesd starts cold too unless told otherwise
-    if args.cold or ("inductor" in args.vs and not args.inductor_cache and args.cache_dir is None):
-        cache_dir: Any = cold.enter_context(tempfile.TemporaryDirectory(prefix="mindiesd-bench-cache-"))
-    elif args.cache_dir is None:
-        cache_dir = USER_CACHE
-    else:
-        cache_dir = None if args.cache_dir.strip().lower() in ("off", "none", "") else args.cache_dir
-    with cold:
+    with contextlib.ExitStack() as stack:
+        cache_dir = resolve_cache_dir(args, stack)
         status = _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
     if status is not None:
         return status
     _print_results(args, rows, failures, stdout)
     return 1 if failures else 0
+
+
+def resolve_cache_dir(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    """The persistent cache the bench's backends use: an empty temporary folder (removed when ``stack`` closes)
+    with ``--cold``, the folder of ``--cache-dir`` (``off``: none), else the user's (``USER_CACHE``)."""
+    # compile/ind compares cold compiles: with a cold Inductor, mindiesd starts cold too unless told otherwise
+    vs_cold_inductor = "inductor" in (getattr(args, "vs", None) or []) and not getattr(args, "inductor_cache", False)
+    if args.cold or (vs_cold_inductor and args.cache_dir is None):
+        return stack.enter_context(tempfile.TemporaryDirectory(prefix="mindiesd-bench-cache-"))
+    if args.cache_dir is None:
+        return USER_CACHE
+    return None if args.cache_dir.strip().lower() in ("off", "none", "") else args.cache_dir
 
 
 def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr) -> int | None:
