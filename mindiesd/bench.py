@@ -587,9 +587,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    from . import bench_pipeline
+    from . import bench_distributed, bench_pipeline
 
     bench_pipeline.add_arguments(parser)
+    bench_distributed.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
@@ -603,6 +604,10 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
         from . import bench_pipeline
 
         return bench_pipeline.run(args, stdout, stderr, progress)
+    if getattr(args, "world_size", None):
+        from . import bench_distributed
+
+        return bench_distributed.run(args, stdout, stderr, progress)
     names = select_models(args.model, args.size, stderr)
     if not names:
         return 2
