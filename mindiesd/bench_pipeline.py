@@ -342,6 +342,7 @@ class _Run:
     forwards: Optional[int] = None
     reused: Optional[int] = None
     backend: Any = None
+    warm: Optional["_Run"] = None  # compiled variants: a second call of the compiled pipeline (the steady state)
 
     @property
     def step_ms(self) -> List[float]:
@@ -398,13 +399,19 @@ def _default_backend() -> Any:
 
 def _compiled_run(case: PipelineCase, steps: int, progress: Progress, label: str,
                   backend_factory: Callable[[], Any], decisions: Optional[_CacheDecisions]) -> _Run:
-    """``_run`` with ``pipe.transformer`` compiled (cold: Dynamo reset first), the eager transformer restored after."""
+    """``_run`` with ``pipe.transformer`` compiled (cold: Dynamo reset first), then a second call of the compiled
+    pipeline (``warm``: its steady state, past the first calls of every graph); the eager transformer restored
+    after."""
     transformer = case.pipe.transformer
     backend = backend_factory()
     torch._dynamo.reset()
     case.pipe.transformer = torch.compile(transformer, backend=backend)
     try:
-        return _run(case, steps, progress, label, backend, decisions)
+        first = _run(case, steps, progress, label, backend, decisions)
+        if decisions is not None:
+            decisions.decisions.clear()
+        first.warm = _run(case, steps, progress, f"{label} again", backend, decisions)
+        return first
     finally:
         case.pipe.transformer = transformer
 
@@ -439,7 +446,8 @@ _VERSUS = {"mindiesd": "eager", "eager+cache": "eager", "mindiesd+cache": "eager
 
 def _row(case: PipelineCase, variant: str, run: _Run, runs: Dict[str, _Run], steps: int) -> Dict[str, Any]:
     """The result row of ``variant`` (keys as :func:`run_pipeline_bench` describes them)."""
-    step_ms = run.step_ms
+    warm = run.warm if run.warm is not None else run
+    step_ms = warm.step_ms
     row: Dict[str, Any] = {
         "pipeline": case.name,
         "size": case.size,
@@ -448,14 +456,15 @@ def _row(case: PipelineCase, variant: str, run: _Run, runs: Dict[str, _Run], ste
         "vs": _VERSUS.get(variant),
         "steps": steps,
         "total_s": run.total_s,
-        "first_step_s": step_ms[0] / 1e3,
+        "warm_s": warm.total_s,
+        "first_step_s": run.step_ms[0] / 1e3,
         "step_ms": statistics.median(step_ms[1:]),
         "step_ms_all": step_ms,
-        "steady_steps": [i + 1 for i in run.steady_steps],
+        "steady_steps": [i + 1 for i in warm.steady_steps],
         "speedup": None,
         "latent_err": None,
         "decoded_err": None,
-        "reused": None if run.forwards is None else f"{run.reused}/{run.forwards}",
+        "reused": None if warm.forwards is None else f"{warm.reused}/{warm.forwards}",
         "recompiles": None,
         "graphs": None,
         "fallbacks": None,
@@ -463,15 +472,17 @@ def _row(case: PipelineCase, variant: str, run: _Run, runs: Dict[str, _Run], ste
     }
     reference = runs.get(row["vs"])
     if reference is not None:
-        if run.steady_steps:
-            row["speedup"] = statistics.median(reference.step_ms[i] / step_ms[i] for i in run.steady_steps)
+        if warm.steady_steps:
+            row["speedup"] = statistics.median(reference.step_ms[i] / step_ms[i] for i in warm.steady_steps)
         row["latent_err"] = max_relative_error(run.latents, reference.latents)
         row["decoded_err"] = max_relative_error(run.output, reference.output)
     if run.backend is not None:
         report = run.backend.report()
         row["graphs_per_step"] = run.graphs_per_step
         row["graphs"] = report.graphs
-        row["recompiles"] = report.graphs - run.graphs_per_step[0]
+        row["recompiles"] = run.graphs_per_step[-1] - run.graphs_per_step[0]
+        row["warm_recompiles"] = report.graphs - run.graphs_per_step[-1]
+        row["warm_latent_err"] = max_relative_error(warm.latents, run.latents)
         row.update({family: int(report.matches.get(family, 0)) for family in FAMILIES})
         row["fallback_reasons"] = [str(reason) for reason in report.fallbacks]
         row["fallbacks"] = len(row["fallback_reasons"])
@@ -496,13 +507,16 @@ def run_pipeline_bench(
 
     Every variant runs ``steps`` denoising steps (default: ``DEFAULT_STEPS[size]``) from the same seeded latents
     and decodes them. A row holds: ``total_s`` (the call, decode included), ``first_step_s`` (from the call to the
-    end of the first step: setup, and the compile of compiled variants), ``step_ms`` (median of the later steps),
-    ``step_ms_all``, ``steady_steps`` (1-based: the steps after the first and after the last one that compiled);
+    end of the first step: setup, and the compile of compiled variants), ``warm_s`` (a second call: compiled
+    variants run twice, and their steady-state figures come from the second call), ``step_ms`` (median of the later
+    steps), ``step_ms_all``, ``steady_steps`` (1-based: the steps after the first and after the last one that
+    compiled);
     against the variant named in ``vs``: ``speedup`` (median over the steady steps of its ms over this one's, step
     by step, so that with the cache skipped steps are compared with skipped steps), ``latent_err`` and
     ``decoded_err`` (max relative error of the final latents and of the decoded output); for compiled variants
     ``graphs`` (compiled by the backend), ``graphs_per_step`` (compiled by the end of each step), ``recompiles``
-    (compiled after the first step), ``fallbacks`` (graphs running unfused) with ``fallback_reasons``, the fused
+    (compiled after the first step of the first call), ``warm_recompiles`` (during the second call, 0 when the
+    compile is complete), ``warm_latent_err`` (second call against the first), ``fallbacks`` (graphs running unfused) with ``fallback_reasons``, the fused
     ops per family the backend inserted over all its graphs and ``expected_per_forward`` (the registry's count for
     one forward); with the cache ``reused`` ("k/n": forwards out of n whose remaining blocks the cache skipped).
 
@@ -529,10 +543,10 @@ def run_pipeline_bench(
 # ---------------------------------------------------------------- output
 
 _COLUMNS = (
-    "pipeline", "size", "dtype", "variant", "vs", "total_s", "first_step_s", "step_ms", "speedup", "latent_err",
-    "decoded_err", "reused", "recompiles", "graphs", "fallbacks", *FAMILIES,
+    "pipeline", "size", "dtype", "variant", "vs", "total_s", "first_step_s", "warm_s", "step_ms", "speedup",
+    "latent_err", "decoded_err", "reused", "recompiles", "warm_recompiles", "graphs", "fallbacks", *FAMILIES,
 )
-_HEADERS = {"first_step_s": "first_s", "adalayernorm": "adaln", "fast_gelu": "gelu", "fallbacks": "fallback"}
+_HEADERS = {"first_step_s": "first_s", "warm_recompiles": "warm_recomp", "adalayernorm": "adaln", "fast_gelu": "gelu", "fallbacks": "fallback"}
 _LEFT = ("pipeline", "size", "dtype", "variant", "vs")
 
 
@@ -676,11 +690,13 @@ def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
     lines = [
         f"torch {env['torch']}, diffusers {env['diffusers']}, {threads} thread{'s' if threads != 1 else ''}; "
         f"{steps} denoising steps per variant, then the VAE decode",
-        "total_s: the whole call; first_s: from the call to the end of step 1 (compile included); "
-        "step_ms: median of steps 2..N",
+        "total_s: the whole first call; first_s: from the call to the end of step 1 (compile included); "
+        "warm_s: a second call (compiled variants; eager runs once, after an untimed step); "
+        "step_ms: median of steps 2..N of that call",
         "against the variant in 'vs': speedup = median of its ms / this ms, step by step, over the steps after "
         "the last that compiled; latent_err, decoded_err = max |a-b| / max |b|",
-        "recompiles: graphs the backend compiled after step 1; graphs, fused counts: over every graph it compiled",
+        "recompiles: graphs the backend compiled after step 1 of the first call; warm_recomp: during the second; "
+        "graphs, fused counts: over every graph it compiled",
     ]
     if any(row.get("reused") is not None for row in rows):
         lines.append("reused: transformer forwards whose remaining blocks FirstBlockCache skipped")

@@ -47,7 +47,8 @@ def _assert_compiled_like_eager(rows, fallbacks, name, steps=STEPS):
     assert fallbacks == [] and compiled["fallbacks"] == 0, (fallbacks, compiled["fallback_reasons"])
     assert {family: compiled[family] for family in FAMILIES} == expected
     assert sum(expected.values()) > 0 and compiled["expected_per_forward"] == expected
-    assert compiled["graphs"] == 1 and compiled["recompiles"] == 0
+    assert compiled["graphs"] == 1 and compiled["recompiles"] == 0 and compiled["warm_recompiles"] == 0
+    assert compiled["warm_latent_err"] <= MAX_ERROR
     assert compiled["vs"] == "eager"
     assert compiled["latent_err"] <= MAX_ERROR, compiled["latent_err"]
     assert compiled["decoded_err"] <= MAX_ERROR, compiled["decoded_err"]
@@ -119,10 +120,13 @@ def test_wan_step_cache_compiled_equals_eager_with_the_same_cache(wan_with_cache
     # the cache's decision breaks the graph, and the path that skips the blocks compiles when first taken
     assert compiled["graphs"] > rows["mindiesd"]["graphs"]
     counts = compiled["graphs_per_step"]
-    assert compiled["recompiles"] == counts[-1] - counts[0] and counts[-1] == compiled["graphs"]
-    steady = compiled["steady_steps"]  # a tail of steps 2..N in which nothing compiled
-    assert steady == list(range(STEPS + 1 - len(steady), STEPS + 1)) and 1 not in steady
-    assert all(counts[step - 2] == counts[-1] for step in steady)
+    assert compiled["recompiles"] == counts[-1] - counts[0]
+    assert counts[-1] + compiled["warm_recompiles"] == compiled["graphs"]
+    # the second call may still compile (Dynamo guards on the cache's state); it ends as the first did, and its
+    # steady steps are those after its last compile
+    steady = compiled["steady_steps"]
+    assert steady and steady == list(range(STEPS + 1 - len(steady), STEPS + 1)) and 1 not in steady
+    assert compiled["warm_latent_err"] <= MAX_ERROR
     expected = zoo.build("wan", "tiny").expected()
     assert all(compiled[family] >= expected[family] for family in FAMILIES)
 
