@@ -470,18 +470,23 @@ def environment() -> dict[str, Any]:
 # ---------------------------------------------------------------- CLI
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def bounded(kind: Callable[[str], Any], low: float, *, above: bool = False,
+            reason: str = "") -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)``, at least ``low`` (``above``: more than ``low``), else a clear error."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < low or (above and value == low):
+            bound = f"more than {low}" if above else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{f' ({reason})' if reason else ''}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
+_positive_int = bounded(int, 1)
+_non_negative_int = bounded(int, 0)
 
 
 #: ``--model``: every registry name, and the groups ``core`` and ``all``.

@@ -37,6 +37,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from .bench import bounded
+
 __all__ = [
     "CP_MODES", "World", "DistributedJobError", "add_arguments", "run", "process_group_backend",
     "attention_backend_for", "enable_context_parallel", "collectives_in", "launched_world", "bench_rank",
@@ -512,18 +514,8 @@ def _report(per_rank: Sequence[Sequence[Dict[str, Any]]], args: argparse.Namespa
 # ---------------------------------------------------------------- CLI
 
 
-def _world_size_arg(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"context parallelism needs at least 2 ranks, got {value}")
-    return value
-
-
-def _timeout_arg(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+_world_size_arg = bounded(int, 2, reason="context parallelism needs 2 ranks or more")
+_timeout_arg = bounded(float, 0, above=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

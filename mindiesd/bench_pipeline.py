@@ -34,7 +34,7 @@ import torch._dynamo
 
 from . import zoo
 from .bench import (
-    DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, _backend, environment, max_relative_error,
+    DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, _backend, bounded, environment, max_relative_error,
     resolve_cache_dir,
 )
 from .timing import synchronize
@@ -616,18 +616,8 @@ def plot_steps(rows: Sequence[Dict[str, Any]], path: str) -> None:
 # ---------------------------------------------------------------- CLI
 
 
-def _steps_arg(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2 (the first step compiles), got {value}")
-    return value
-
-
-def _threshold_arg(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+_steps_arg = bounded(int, 2, reason="the first step compiles")
+_threshold_arg = bounded(float, 0, above=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -635,7 +625,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "whole pipelines",
         "--pipeline runs a diffusers pipeline (registry transformer, small VAE, no text encoders) eager and "
-        "compiled; it uses --size, --dtype, --device, --seed, --threads, --json, --markdown and --quiet",
+        "compiled; it uses --size, --dtype, --device, --seed, --threads, --cache-dir, --cold, --json, --markdown "
+        "and --quiet",
     )
     group.add_argument(
         "--pipeline",
