@@ -605,7 +605,7 @@ def plot_steps(rows: Sequence[Dict[str, Any]], path: str) -> None:
     first = rows[0]
     axes.set_yscale("log")
     axes.set_xlabel("denoising step")
-    axes.set_ylabel("ms per step (step 1: from the call, compile included)")
+    axes.set_ylabel("ms per step (compiled: their second call)")
     axes.set_title(f"{first['pipeline']}/{first['size']} {first['dtype']}: eager vs mindiesd per step")
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.grid(True, which="both", alpha=0.3)
