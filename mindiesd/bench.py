@@ -439,8 +439,13 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     columns = table_columns(rows)
     headers = [_HEADERS.get(c, c) for c in columns]
     cells = [[_format_value(c, row.get(c)) for c in columns] for row in rows]
+    return render_table(headers, cells, [c in ("model", "size", "dtype") for c in columns], markdown)
+
+
+def render_table(headers: Sequence[str], cells: Sequence[Sequence[str]], left: Sequence[bool],
+                 markdown: bool = False) -> str:
+    """Cells under headers, aligned (``left``: per column, text columns left, numbers right), or as Markdown."""
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    left = [c in ("model", "size", "dtype") for c in columns]
 
     def line(values: Sequence[str]) -> str:
         padded = [v.ljust(w) if l else v.rjust(w) for v, w, l in zip(values, widths, left)]
@@ -448,7 +453,7 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
 
     out = [line(headers)]
     if markdown:
-        out.append("| " + " | ".join(("-" * (w - 1) + ":") if not l else ("-" * w) for w, l in zip(widths, left)) + " |")
+        out.append("| " + " | ".join("-" * w if l else "-" * (w - 1) + ":" for w, l in zip(widths, left)) + " |")
     else:
         out.append("  ".join("-" * w for w in widths))
     out.extend(line(r) for r in cells)

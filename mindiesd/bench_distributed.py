@@ -435,7 +435,7 @@ def summarize(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, An
 
 def format_table(rows: Sequence[Dict[str, Any]], markdown: bool = False) -> str:
     """The rows (without failed ones) as an aligned plain-text table, or as a Markdown table."""
-    from .bench import _HEADERS, FAMILIES, _format_value
+    from .bench import _HEADERS, FAMILIES, _format_value, render_table
 
     columns = ("model", "size", "dtype", "cp", "rank", *FAMILIES, "collectives", "fallbacks", "eager_rel_err",
                "max_rel_err", "compile_s", "eager_ms", "mindiesd_ms", "speedup")
@@ -449,19 +449,7 @@ def format_table(rows: Sequence[Dict[str, Any]], markdown: bool = False) -> str:
         return _format_value(column, str(value) if column == "rank" else value)
 
     cells = [[cell(row, c) for c in columns] for row in rows if "error" not in row]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        padded = [v.ljust(w) if l else v.rjust(w) for v, w, l in zip(values, widths, left)]
-        return ("| " + " | ".join(padded) + " |") if markdown else "  ".join(padded).rstrip()
-
-    out = [line(headers)]
-    if markdown:
-        out.append("| " + " | ".join("-" * w if l else "-" * (w - 1) + ":" for w, l in zip(widths, left)) + " |")
-    else:
-        out.append("  ".join("-" * w for w in widths))
-    out.extend(line(r) for r in cells)
-    return "\n".join(out)
+    return render_table(headers, cells, left, markdown)
 
 
 def _legend(rows: Sequence[Dict[str, Any]], world_size: int, backend: str) -> str:

@@ -35,7 +35,7 @@ import torch._dynamo
 from . import zoo
 from .bench import (
     DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, _backend, bounded, environment, max_relative_error,
-    resolve_cache_dir,
+    render_table, resolve_cache_dir,
 )
 from .timing import synchronize
 
@@ -572,20 +572,7 @@ def format_table(rows: Sequence[Dict[str, Any]], markdown: bool = False) -> str:
     columns = [c for c in _COLUMNS if c != "reused" or any(row.get("reused") is not None for row in rows)]
     headers = [_HEADERS.get(c, c) for c in columns]
     cells = [[_cell(c, row.get(c)) for c in columns] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    left = [c in _LEFT for c in columns]
-
-    def line(values: Sequence[str]) -> str:
-        padded = [v.ljust(w) if l else v.rjust(w) for v, w, l in zip(values, widths, left)]
-        return ("| " + " | ".join(padded) + " |") if markdown else "  ".join(padded).rstrip()
-
-    out = [line(headers)]
-    if markdown:
-        out.append("| " + " | ".join("-" * w if l else "-" * (w - 1) + ":" for w, l in zip(widths, left)) + " |")
-    else:
-        out.append("  ".join("-" * w for w in widths))
-    out.extend(line(r) for r in cells)
-    return "\n".join(out)
+    return render_table(headers, cells, [c in _LEFT for c in columns], markdown)
 
 
 def plot_steps(rows: Sequence[Dict[str, Any]], path: str) -> None:
