@@ -492,6 +492,7 @@ def bounded(kind: Callable[[str], Any], low: float, *, above: bool = False,
 
 _positive_int = bounded(int, 1)
 _non_negative_int = bounded(int, 0)
+positive_float = bounded(float, 0, above=True)
 
 
 #: ``--model``: every registry name, and the groups ``core`` and ``all``.

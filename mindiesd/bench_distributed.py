@@ -37,7 +37,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from .bench import bounded
+from .bench import bounded, positive_float
 
 __all__ = [
     "CP_MODES", "World", "DistributedJobError", "add_arguments", "run", "process_group_backend",
@@ -503,7 +503,6 @@ def _report(per_rank: Sequence[Sequence[Dict[str, Any]]], args: argparse.Namespa
 
 
 _world_size_arg = bounded(int, 2, reason="context parallelism needs 2 ranks or more")
-_timeout_arg = bounded(float, 0, above=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -520,7 +519,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cp", choices=CP_MODES, default="ulysses",
                        help="context-parallel attention: ulysses (all-to-all; default) or ring (all-gather of K/V; "
                        "needs --device cuda and bf16/fp16)")
-    group.add_argument("--dist-timeout", type=_timeout_arg, default=DEFAULT_TIMEOUT, metavar="S",
+    group.add_argument("--dist-timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="S",
                        help=f"seconds the run (and any collective) may take (default: {DEFAULT_TIMEOUT:.0f})")
 
 

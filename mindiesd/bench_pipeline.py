@@ -35,7 +35,7 @@ import torch._dynamo
 from . import zoo
 from .bench import (
     DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, _backend, bounded, environment, max_relative_error,
-    render_table, resolve_cache_dir,
+    positive_float, render_table, resolve_cache_dir,
 )
 from .timing import synchronize
 
@@ -604,7 +604,6 @@ def plot_steps(rows: Sequence[Dict[str, Any]], path: str) -> None:
 
 
 _steps_arg = bounded(int, 2, reason="the first step compiles")
-_threshold_arg = bounded(float, 0, above=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -637,7 +636,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--cache-threshold",
-        type=_threshold_arg,
+        type=positive_float,
         default=DEFAULT_CACHE_THRESHOLD,
         metavar="T",
         help=f"FirstBlockCache threshold with --step-cache (default: {DEFAULT_CACHE_THRESHOLD})",
