@@ -26,6 +26,7 @@ import torch._dynamo
 
 from . import zoo
 from .families import FAMILIES as _FAMILIES
+from .families import GEMM_FAMILIES, set_fast
 from .timing import interleaved_medians
 from .timing import synchronize as _synchronize
 
@@ -60,6 +61,9 @@ INDUCTOR_COLUMNS = (
 
 CAPTURE_COLUMNS = ("capture_first_s", "capture_ms", "capture_speedup")
 
+#: With ``--ablate``: per GEMM rewrite, the steady ms with that switch off / the ms with it on (above 1: it gains).
+ABLATE_COLUMNS = tuple(f"gain_{family}" for family in GEMM_FAMILIES)
+
 REGIONAL_COLUMNS = ("regional_graphs", "regional_fused", "regional_max_rel_err", "regional_compile_s",
                     "regional_ms", "regional_speedup")
 
@@ -75,6 +79,10 @@ _HEADERS = {
     "regional_speedup": "reg/eager",
     "adalayernorm": "adaln",
     "fast_gelu": "gelu",
+    "merge_projections": "merged",
+    "linear_gelu": "lin_gelu",
+    "gain_merge_projections": "merge_gain",
+    "gain_linear_gelu": "lin_gelu_gain",
     "fallbacks": "fallback",
     "max_rel_err": "max_rel_err",
     "compile_s": "compile_s",
@@ -290,6 +298,7 @@ def run_case(
     capture: bool = False,
     cache_dir: Any = USER_CACHE,
     regional: bool = False,
+    ablate: bool = False,
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -306,7 +315,9 @@ def run_case(
     share of ``compile_s`` (the rest is Dynamo's trace and the first run); ``cache`` says whether the graphs
     were loaded from the persistent cache (``hit``) or compiled and stored (``stored``). With ``regional`` also
     a copy compiled with diffusers' ``compile_repeated_blocks``: its graphs, fused ops run per forward (beside
-    ``fused``, the whole-model compile's), error, first-call seconds and steady ms.
+    ``fused``, the whole-model compile's), error, first-call seconds and steady ms. With ``ablate``, per GEMM
+    rewrite that the compile made, a copy compiled with its switch off, timed in the same interleaved runs:
+    ``gain_<family>`` = its ms / the ms with every rewrite on.
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -369,6 +380,14 @@ def run_case(
                         lambda: graphed(**inputs), progress, f"compiling and capturing {tag}"
                     )
                     runners["captured"] = lambda: graphed(**inputs)
+            if ablate:
+                row.update(dict.fromkeys(ABLATE_COLUMNS))
+                for family in GEMM_FAMILIES:
+                    if row.get(family):
+                        without = torch.compile(model, backend=_backend(
+                            cache_dir, fusion_patterns={f"enable_{family}": False}))
+                        _timed_first_call(lambda: without(**inputs), progress, f"compiling {tag} without {family}")
+                        runners[f"no_{family}"] = lambda without=without: without(**inputs)
             if regional:
                 row.update(dict.fromkeys(REGIONAL_COLUMNS))
                 run_regional = _regional_variant(model, inputs, reference, cache_dir, progress, tag, row)
@@ -388,6 +407,9 @@ def run_case(
     if "regional" in medians:
         row["regional_ms"] = medians["regional"]
         row["regional_speedup"] = medians["eager"] / medians["regional"]
+    for family in GEMM_FAMILIES:
+        if f"no_{family}" in medians:
+            row[f"gain_{family}"] = medians[f"no_{family}"] / medians["mindiesd"]
     if "captured" in medians:
         row["capture_ms"] = medians["captured"]
         row["capture_speedup"] = medians["eager"] / medians["captured"]
@@ -412,7 +434,7 @@ def _format_value(column: str, value: Any) -> str:
         return str(int(value))
     if column.endswith("rel_err"):
         return f"{value:.1e}"
-    if column in ("speedup", "speed_vs_inductor", "capture_speedup", "regional_speedup"):
+    if column in ("speedup", "speed_vs_inductor", "capture_speedup", "regional_speedup", *ABLATE_COLUMNS):
         return f"{value:.2f}x"
     if column == "compile_vs_inductor":
         return f"{value:.3f}"
@@ -428,7 +450,7 @@ def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     columns = list(BASE_COLUMNS)
     if any("fused" in row for row in rows):
         columns.insert(columns.index("graphs"), "fused")
-    for extra in (INDUCTOR_COLUMNS, CAPTURE_COLUMNS, REGIONAL_COLUMNS):
+    for extra in (INDUCTOR_COLUMNS, CAPTURE_COLUMNS, REGIONAL_COLUMNS, ABLATE_COLUMNS):
         if any(column in row for row in rows for column in extra):
             columns += extra
     return columns
@@ -592,6 +614,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also compile with aclgraph_with_compile=True: first-call seconds and steady ms of replay "
         "(needs a device with device graphs: --device cuda, or an Ascend NPU)",
     )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also compile, per GEMM rewrite the compile made (" + ", ".join(GEMM_FAMILIES) + "), a copy with its "
+        "switch off, timed in the same runs: <rewrite>_gain = ms without it / ms with it (above 1: it gains)",
+    )
+    parser.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        choices=tuple(_FAMILIES),
+        metavar="FAMILY",
+        help="run FAMILY on --device even where mindiesd declares it not faster there (the GEMM rewrites are off "
+        "on CPU by default): to measure it; repeatable",
+    )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu; e.g. cuda, npu)")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
@@ -622,6 +659,13 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     names = select_models(args.model, args.size, stderr)
     if not names:
         return 2
+    device_type = torch.device(args.device).type
+    for name in getattr(args, "force", None) or []:
+        try:
+            set_fast(name, device_type, True)
+        except ValueError as exc:
+            stderr.write(f"mindiesd bench: --force {name}: {exc}\n")
+            return 2
     dtype = DTYPES[args.dtype]
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -665,6 +709,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     capture=args.capture,
                     cache_dir=cache_dir,
                     regional=args.regional,
+                    ablate=getattr(args, "ablate", False),
                 )
             )
         except ImportError as exc:

@@ -120,7 +120,10 @@ def test_backend_rejects_non_config():
 
 def test_enabled_families_in_pass_order():
     fp = FusionPatterns(enable_rope=False)
-    assert fp.enabled_families() == ("rms_norm", "adalayernorm", "fast_gelu", "mul_add")
+    assert fp.enabled_families() == ("merge_projections", "rms_norm", "adalayernorm", "linear_gelu", "fast_gelu",
+                                     "mul_add")
+    fp = FusionPatterns(enable_merge_projections=False, enable_linear_gelu=False)
+    assert fp.enabled_families() == ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add")
 
 
 def test_registered_by_name():
@@ -146,14 +149,19 @@ def test_switches_and_passes_come_from_the_family_registry():
     from mindiesd.compilation.passes import PASSES
     from mindiesd.ops import _library
 
-    assert list(families.FAMILIES) == list(PASSES) == list(FAMILY_SWITCHES) == list(_library.SCHEMAS)
-    assert [f.switch for f in families.FAMILIES.values()] == SPEC_SWITCHES
+    assert list(families.FAMILIES) == list(PASSES) == list(FAMILY_SWITCHES)
+    assert list(_library.SCHEMAS) == list(families.OP_FAMILIES) == [n for n in families.FAMILIES if n != "merge_projections"]
+    assert [families.FAMILIES[n].switch for n in families.SPEC_FAMILIES] == SPEC_SWITCHES
+    assert families.GEMM_FAMILIES == ("merge_projections", "linear_gelu")
+    settings = {name: (default, doc) for name, default, doc in CompilationConfig.settings()}
     for name, fam in families.FAMILIES.items():
         assert PASSES[name].family == name
-        assert _library.SCHEMAS[name].startswith(f"{name}(")
-        assert str(getattr(torch.ops.mindiesd, name).default._schema) == f"mindiesd::{fam.schema}"
-        settings = {name: (default, doc) for name, default, doc in CompilationConfig.settings()}
         assert settings[f"fusion_patterns.{fam.switch}"] == (True, fam.doc)
+        if fam.has_op:
+            assert _library.SCHEMAS[name].startswith(f"{name}(")
+            assert str(getattr(torch.ops.mindiesd, name).default._schema) == f"mindiesd::{fam.schema}"
+        else:
+            assert not hasattr(torch.ops.mindiesd, name) and fam.stage == "freeze"
 
 
 def test_family_skipped_where_its_kernel_is_not_faster_than_eager(monkeypatch):
@@ -192,7 +200,8 @@ def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
     x = torch.randn(4, 8)
     torch.testing.assert_close(compiled(x), F.gelu(F.rms_norm(x, [8]), approximate="tanh"))
     (record,) = backend.report().records
-    assert record.skipped == {"fast_gelu": "the cpu kernel is too slow"}
+    assert record.skipped["fast_gelu"] == "the cpu kernel is too slow"
+    assert set(record.skipped) == {"fast_gelu", "merge_projections", "linear_gelu"}  # the GEMM ones: CPU default
     assert record.matches == {"rms_norm": 1, "rope": 0, "adalayernorm": 0, "mul_add": 0} and record.fallback is None
 
 

@@ -580,7 +580,7 @@ def test_summarize_takes_the_slowest_rank_per_iteration():
     def row(rank, eager, compiled):
         return {"rank": rank, "model": "flux", "size": "tiny", "dtype": "fp32", "cp": "ulysses", "threads": 1,
                 "compile_s": 1.0 + rank, "max_rel_err": 1e-7 * (rank + 1), "eager_rel_err": 0.0, "graphs": 1,
-                "fallbacks": 0, "collectives": {"all_to_all_single": 4}, **{f: 1 for f in FAMILIES},
+                "fallbacks": 0, "collectives": {"all_to_all_single": 4}, **{f: 1 for f in bench.FAMILIES},
                 "samples": {"eager": eager, "mindiesd": compiled}, "eager_ms": 0.0, "mindiesd_ms": 0.0}
 
     rows = bench_distributed.summarize([[row(0, [10, 30, 10], [5, 5, 9])], [row(1, [20, 10, 10], [6, 4, 4])]])

@@ -8,6 +8,7 @@ graph loaded from the persistent cache (weights are inputs, not part of the entr
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 
 from fusion_utils import FAMILIES  # noqa: E402
-from mindiesd import zoo  # noqa: E402
+from mindiesd import families, zoo  # noqa: E402
 from mindiesd.compilation import (  # noqa: E402
     CompilationConfig,
     MindieSDBackend,
@@ -53,9 +54,19 @@ def _run(fn):
         return fn()[0]
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["", "merged_projections"])
 @pytest.mark.parametrize("variant", ["whole", "regional", "captured", "cached"])
 @pytest.mark.parametrize("name", ["flux", "wan"])
-def test_lora_hotswap_takes_effect_in_the_compiled_model_without_recompiling(name, variant, tmp_path):
+def test_lora_hotswap_takes_effect_in_the_compiled_model_without_recompiling(name, variant, merged, tmp_path):
+    """With ``merged``, q/k/v (and their LoRA A matrices) run as one matmul over a folded concatenation, which
+    the hot-swap's in-place writes must refold."""
+    with contextlib.ExitStack() as stack:
+        if merged:
+            stack.enter_context(families.declared_fast("merge_projections", "cpu"))
+        _hotswap(name, variant, merged, tmp_path)
+
+
+def _hotswap(name, variant, merged, tmp_path):
     case = zoo.build(name, "tiny")
     model, inputs = case.model, case.inputs
     style, other_style = _lora_state_dict(model, 1), _lora_state_dict(model, 2)
@@ -104,6 +115,7 @@ def test_lora_hotswap_takes_effect_in_the_compiled_model_without_recompiling(nam
         assert simulator.captures > 0 and simulator.replays > simulator.captures
     fused = backend.report().matches
     assert sum(fused[f] for f in FAMILIES) > 0
+    assert (fused["merge_projections"] > 0) == merged
     assert _error(swapped_eager, first_eager) > 1e-3, "the second adapter should change the output"
     assert _error(first, first_eager) <= 1e-5
     assert _error(swapped, swapped_eager) <= 1e-5

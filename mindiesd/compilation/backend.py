@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 import warnings
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
@@ -29,7 +29,7 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 from . import cache as graph_cache
 from .config import CompilationConfig
 from .device_graph import DeviceGraphRunner, _device_of, wrap_for_capture
-from .freezing import FrozenGraph, split_constants
+from .freezing import FrozenGraph, constant_inputs, split_constants
 from .graph_log import GraphLog, resolve_log_dir
 from .pass_manager import PassManager, skip_reason
 from .report import CompileReport, GraphRecord, fusion_report
@@ -158,6 +158,7 @@ class MindieSDBackend:
         config = self.config
         families = self._families()
         weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
+        adapters = _adapter_weights(gm)
         device = _device_of(example_inputs)
         training = _training(example_inputs)
 
@@ -165,6 +166,16 @@ class MindieSDBackend:
             graph_log.graph("aten", aten_gm)
             frozen = None
             freezable = config.enable_freezing and not training and len(aten_inputs) == len(example_inputs)
+            passes = PassManager(families, device.type if device is not None else None)
+            rewrites: Dict[str, int] = {}
+            for fusion in passes.freeze_passes:  # rewrites whose weight-only part freezing folds
+                if not freezable:
+                    passes.skipped[fusion.family] = ("needs enable_freezing" if not config.enable_freezing
+                                                     else "no freezing for this graph (training or input mutation)")
+                rewrites[fusion.family] = 0
+            if freezable and passes.freeze_passes:
+                rewritable = [i for i in weights if i not in adapters]
+                rewrites = passes.run_freeze(aten_gm, constant_inputs(aten_gm, rewritable), graph_log)
             if freezable:
                 frozen = split_constants(aten_gm, weights)
             target = frozen.main if frozen is not None else aten_gm
@@ -172,9 +183,8 @@ class MindieSDBackend:
                 frozen_out.append(frozen)
                 record.folded_constants = frozen.n_folded
                 graph_log.graph("freezing", target)
-            passes = PassManager(families, device.type if device is not None else None)
             record.skipped = dict(passes.skipped)
-            record.matches = passes.run(target, graph_log)
+            record.matches = {**rewrites, **passes.run(target, graph_log)}
             record.rules = passes.rule_hits()
             target.graph.eliminate_dead_code()
             target.recompile()
@@ -232,6 +242,14 @@ class _CacheSlot:
 
 def _training(example_inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def _adapter_weights(gm: GraphModule) -> set:
+    """Indices of the inputs that are LoRA adapter weights (PEFT's ``lora_A`` / ``lora_B`` / ...; diffusers'
+    LoRA layers are PEFT's). A hot-swap writes them in place through ``.data``, which no version counter sees, so
+    the freeze-stage rewrites never fold them into a new tensor: they stay read where they are."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return {i for i, name in enumerate(names) if "lora_" in name.lower()}
 
 
 def _folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]:

@@ -29,7 +29,7 @@ from torch.fx import Graph, GraphModule, Node
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["split_constants", "FrozenGraph", "clear_frozen_caches", "add_release_listener", "MAX_WEIGHT_SETS"]
+__all__ = ["split_constants", "constant_inputs", "FrozenGraph", "clear_frozen_caches", "add_release_listener", "MAX_WEIGHT_SETS"]
 
 #: How many weight sets one compiled graph keeps folded values for (least recently used evicted first).
 MAX_WEIGHT_SETS = 256
@@ -86,11 +86,17 @@ def _mutated_placeholders(gm: GraphModule) -> Set[Node]:
     return mutated
 
 
+def constant_inputs(gm: GraphModule, static_indices: Sequence[int]) -> Set[Node]:
+    """The placeholders of ``gm`` that freezing treats as constants: the weights (``static_indices``) that the
+    graph does not write to."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {placeholders[i] for i in static_indices if i < len(placeholders)} - _mutated_placeholders(gm)
+
+
 def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional["FrozenGraph"]:
     """Split ``gm`` into fold and main graphs; None when nothing can be folded."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    static = {placeholders[i] for i in static_indices if i < len(placeholders)}
-    static -= _mutated_placeholders(gm)
+    static = constant_inputs(gm, static_indices)
     if not static:
         return None
 

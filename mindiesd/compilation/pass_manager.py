@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Set
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from ..families import FAMILIES, Kernel, resolve
 from .graph_log import GraphLog, graph_text
@@ -32,6 +32,10 @@ def skip_reason(family: str, device_type: Optional[str]) -> Optional[str]:
     from mindiesd.ops import _library
 
     declared = FAMILIES[family].kernels.get(device_type)
+    if not FAMILIES[family].has_op:  # a rewrite into aten ops: its declaration says whether it gains there
+        if declared is None:
+            return f"no {family} rewrite declared for {device_type}"
+        return None if declared.fast else f"on {device_type}, {declared.note or 'not faster than eager'}"
     registered = _library.DEVICE_KERNELS.get(device_type, {}).get(family)
     if registered is None:
         if declared is None:
@@ -70,17 +74,29 @@ class PassManager:
             reason = skip_reason(name, device_type)
             if reason is not None:
                 self.skipped[name] = reason
-        self.passes = [PASSES[name]() for name in PASSES if name in families and name not in self.skipped]
+        chosen = [PASSES[name]() for name in PASSES if name in families and name not in self.skipped]
+        #: The passes of the ``freeze`` stage (on the aten graph before it is split; :meth:`run_freeze`).
+        self.freeze_passes = [p for p in chosen if FAMILIES[p.family].stage == "freeze"]
+        #: The passes of the ``fusion`` stage (on the main graph; :meth:`run`).
+        self.passes = [p for p in chosen if FAMILIES[p.family].stage == "fusion"]
+
+    def run_freeze(self, gm: GraphModule, constant_inputs: Set[Node], graph_log: GraphLog) -> Dict[str, int]:
+        """Apply the ``freeze``-stage passes to the whole aten graph ``gm`` (``constant_inputs``: the placeholders
+        of the weights); returns the rewrites per family."""
+        return self._apply(self.freeze_passes, gm, graph_log, constant_inputs)
 
     def run(self, gm: GraphModule, graph_log: GraphLog) -> Dict[str, int]:
-        """Apply every pass to ``gm`` in place; returns the fused-op count per family (per rule in
-        :meth:`rule_hits`)."""
+        """Apply every ``fusion``-stage pass to ``gm`` in place; returns the fused-op count per family (per rule
+        in :meth:`rule_hits`)."""
+        return self._apply(self.passes, gm, graph_log)
+
+    def _apply(self, passes: Sequence[Any], gm: GraphModule, graph_log: GraphLog, *extra: Any) -> Dict[str, int]:
         matches: Dict[str, int] = {}
         debug = log.isEnabledFor(logging.DEBUG)
-        for fusion in self.passes:
+        for fusion in passes:
             before = graph_text(gm) if (debug or graph_log.enabled) else ""
             start = time.perf_counter()
-            matches[fusion.family] = fusion(gm)
+            matches[fusion.family] = fusion(gm, *extra)
             seconds = time.perf_counter() - start
             if debug:
                 log.debug("pass %s: %d fused in %.3f s\n--- before ---\n%s\n--- after ---\n%s",
@@ -90,4 +106,5 @@ class PassManager:
 
     def rule_hits(self) -> Dict[str, int]:
         """Rewrites per rule, as ``"family:rule"``, over the runs of this manager (rules that never fired left out)."""
-        return {f"{fusion.family}:{rule}": n for fusion in self.passes for rule, n in fusion.hits.items()}
+        return {f"{fusion.family}:{rule}": n for fusion in self.freeze_passes + self.passes
+                for rule, n in fusion.hits.items()}

@@ -7,6 +7,7 @@ them. The rule, the one eager's sequences follow (elementwise ops follow their i
 * ``rms_norm``, ``rope``, ``fast_gelu``: the layout of ``torch.empty_like(x)``: x's strides when x is dense
   (a transposed or permuted view, channels-last), else dense strides in x's dimension order (a slice);
 * ``adalayernorm``: contiguous, as ``layer_norm``'s output is;
+* ``linear_gelu``: contiguous, as a linear layer's output is (``x.shape[:-1] + (weight.shape[0],)``);
 * ``mul_add``: the layout eager's ``x * y + z`` gives (TensorIterator's rule, applied twice), or that of
   ``z + x * y`` with ``addend_first`` (the operand order decides between layouts that differ).
 
@@ -22,10 +23,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..families import FAMILIES
+from ..families import FAMILIES as _ALL
 from ._rules import mul_add_rules
 
 __all__ = ["output_layout", "empty_output", "restride", "conform", "ROW_OPS"]
+
+FAMILIES = {name: family for name, family in _ALL.items() if family.has_op}
 
 #: Ops that work along the last dimension: a permutation may move every dimension but that one.
 ROW_OPS = frozenset(name for name, family in FAMILIES.items() if family.rows)
@@ -86,10 +89,14 @@ def output_layout(op: str, args: Sequence) -> tuple:
         except RuntimeError:
             mul_add_rules(args[0], args[1], args[2])  # raises the op's own error, naming the shapes
             raise
-    if layout == "contiguous":
-        shape = tuple(args[0].shape)
+    if layout in ("contiguous", "gemm"):
+        shape = tuple(args[0].shape) if layout == "contiguous" else _gemm_shape(args[0], args[1])
         return shape, contiguous_strides(shape)
     return _like_layout(*_key(args[0]))
+
+
+def _gemm_shape(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return (*x.shape[:-1], weight.shape[0])
 
 
 def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
@@ -105,6 +112,8 @@ def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty_strided(template.shape, template.stride(), dtype=dtype, device=x.device)
     if layout == "contiguous":
         return x.new_empty(x.shape, dtype=dtype)
+    if layout == "gemm":
+        return x.new_empty(_gemm_shape(x, args[1]), dtype=dtype)
     return torch.empty_like(x, dtype=dtype)
 
 

@@ -22,18 +22,22 @@ from collections.abc import Callable
 
 import torch
 
-from ..families import FAMILIES, resolve
+from ..families import FAMILIES as _ALL, resolve
 from . import _cpu
 from ._layout import conform, empty_output
 from ._rules import (
     adalayernorm_rules,
     fast_gelu_rules,
+    linear_gelu_rules,
     mul_add_rules,
     rms_norm_rules,
     rope_rules,
 )
 
 NAMESPACE = "mindiesd"
+
+#: The families that emit an op of their own (a GEMM rewrite such as merge_projections emits aten ops only).
+FAMILIES = {name: family for name, family in _ALL.items() if family.has_op}
 
 #: Op name -> schema, one op per fusion family (mindiesd.families).
 SCHEMAS: dict[str, str] = {name: family.schema for name, family in FAMILIES.items()}
@@ -77,6 +81,11 @@ def _fake_fast_gelu(x):
 def _fake_mul_add(x, y, z, addend_first=False):
     _, out_dtype, _ = mul_add_rules(x, y, z)
     return empty_output("mul_add", (x, y, z, addend_first), out_dtype)
+
+
+def _fake_linear_gelu(x, weight, bias=None):
+    out_dtype = linear_gelu_rules(x, weight, bias)
+    return empty_output("linear_gelu", (x, weight), out_dtype)
 
 
 def _implementations(attribute: str) -> dict[str, Callable[..., torch.Tensor]]:

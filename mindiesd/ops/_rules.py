@@ -132,6 +132,23 @@ def fast_gelu_rules(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
     return x.dtype, compute_dtype(x.dtype)
 
 
+def linear_gelu_rules(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """Validate linear_gelu inputs (x [..., K], weight [M, K], bias [M] or None, one dtype); return the output
+    dtype."""
+    _require_floating("linear_gelu", x=x, weight=weight, bias=bias)
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"mindiesd.linear_gelu: x {_shape_str(x.shape)} and weight {_shape_str(weight.shape)} do not make a "
+            "linear layer (weight must be [out_features, x.shape[-1]])"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"mindiesd.linear_gelu: bias {_shape_str(bias.shape)} must be [{weight.shape[0]}]")
+    dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) != 1:
+        raise ValueError(f"mindiesd.linear_gelu: x, weight and bias must share a dtype, got {sorted(map(str, dtypes))}")
+    return x.dtype
+
+
 def mul_add_rules(
     x: torch.Tensor, y: torch.Tensor, z: torch.Tensor
 ) -> tuple[torch.Size, torch.dtype, torch.dtype]:

@@ -18,6 +18,7 @@ import torch
 
 from ._layout import output_layout, restride
 from ._rules import (
+    linear_gelu_rules,
     adalayernorm_rules,
     fast_gelu_rules,
     mul_add_rules,
@@ -122,6 +123,12 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     inner = _GELU_TANH_COEFFICIENT * (values + _GELU_TANH_CUBIC * values.pow(3))
     result = 0.5 * values * (1 + torch.tanh(inner))
     return _finish(result, out_dtype, "fast_gelu", x)
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """tanh-GELU of the linear layer ``x @ weight.T + bias``: eager's two ops, the GEMM rounded to x's dtype."""
+    out_dtype = linear_gelu_rules(x, weight, bias)
+    return _finish(fast_gelu(torch.nn.functional.linear(x, weight, bias)), out_dtype, "linear_gelu", x, weight)
 
 
 def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, addend_first: bool = False) -> torch.Tensor:

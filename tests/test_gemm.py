@@ -1,0 +1,270 @@
+"""The GEMM rewrites: merged projections (``merge_projections``) and the GELU epilogue (``linear_gelu``).
+
+Both are off on CPU by default (measured: no gain on the CPUs tried, README "GEMM rewrites"); the tests declare
+them fast on CPU (``families.declared_fast``) to check the rewrites themselves: what is rewritten (counted in
+the final graph), what is left alone, the numerics against eager per dtype, and weights changed after compiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_utils import TOLERANCE, assert_close, count_fused
+from mindiesd import families
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from mindiesd.ops import _gemm
+
+aten = torch.ops.aten
+
+
+@contextlib.contextmanager
+def forced(*names):
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(families.declared_fast(name, "cpu"))
+        yield
+
+
+def compile_run(fn, *args, config=None, dynamic=False):
+    backend = MindieSDBackend(config or CompilationConfig(cache_dir=None, strict=True), keep_graphs=True)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        return compiled(*args), compiled, backend
+
+
+def calls(backend, *targets):
+    return sum(1 for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def gemm_widths(backend):
+    """The output widths of the matmuls in the final graphs (sorted)."""
+    widths = []
+    for gm in backend.graphs:
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in (aten.addmm.default, aten.mm.default):
+                widths.append(int(n.meta["val"].shape[-1]))
+    return sorted(widths)
+
+
+class Attention(torch.nn.Module):
+    """q, k, v projections of one input (and optionally a second input's k, v), then attention."""
+
+    def __init__(self, d=32, heads=2, bias=True, context=False, out_q=False, flat_q=False, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.heads, self.out_q, self.flat_q = heads, out_q, flat_q
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(d, d, bias=bias) for _ in range(3))
+        self.context = context
+        if context:
+            self.add_k, self.add_v = torch.nn.Linear(d, d, bias=bias), torch.nn.Linear(d, d, bias=bias)
+        self.to_out = torch.nn.Linear(d, d)
+
+    def split(self, t):
+        b, n, d = t.shape
+        return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+    def forward(self, x, c=None):
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        if self.context:
+            k = torch.cat([self.add_k(c), k], dim=1)
+            v = torch.cat([self.add_v(c), v], dim=1)
+        o = F.scaled_dot_product_attention(self.split(q), self.split(k), self.split(v))
+        o = self.to_out(o.transpose(1, 2).reshape(x.shape))
+        if self.flat_q:
+            o = o + q.view(-1)[: o.numel()].view(o.shape)
+        return (o, q) if self.out_q else o
+
+
+# ------------------------------------------------------------------------------------------ merge_projections
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_qkv_projections_become_one_matmul_and_match_eager(dtype, bias):
+    model = Attention(bias=bias).to(dtype).eval()
+    x = torch.randn(2, 24, 32, dtype=dtype)
+    with forced("merge_projections"):
+        out, _, backend = compile_run(model, x)
+    (record,) = backend.report().records
+    assert record.matches["merge_projections"] == 1
+    assert record.rules == {f"merge_projections:3_{'addmm' if bias else 'mm'}": 1}
+    assert gemm_widths(backend) == [32, 96], "q/k/v: one matmul of width 3*32; to_out alone"
+    with torch.no_grad():
+        assert_close(out, model(x), dtype)
+
+
+def test_context_kv_merge_and_a_group_never_spans_an_attention():
+    class TwoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Attention(context=True, seed=1), Attention(context=True, seed=2)
+
+        def forward(self, x, c):
+            return self.b(self.a(x, c), c)  # both blocks read the same context c
+
+    model = TwoBlocks().eval()
+    x, c = torch.randn(1, 16, 32), torch.randn(1, 8, 32)
+    with forced("merge_projections"):
+        out, _, backend = compile_run(model, x, c)
+    (record,) = backend.report().records
+    # per block: q/k/v of x, and add_k/add_v of c; the two blocks' context projections are not merged together
+    assert record.rules == {"merge_projections:3_addmm": 2, "merge_projections:2_addmm": 2}
+    assert gemm_widths(backend) == [32, 32, 64, 64, 96, 96]
+    with torch.no_grad():
+        assert_close(out, model(x, c))
+
+
+def test_no_merge_where_a_projection_layout_would_reach_the_output_or_a_dense_view():
+    x = torch.randn(2, 24, 32)
+    for model in (Attention(out_q=True).eval(), Attention(flat_q=True).eval()):
+        with forced("merge_projections"):
+            out, _, backend = compile_run(model, x)
+        (record,) = backend.report().records
+        assert record.matches["merge_projections"] == 0, "q's slice would change the output's / a view's layout"
+        assert gemm_widths(backend) == [32, 32, 32, 32]
+        with torch.no_grad():
+            assert_close(out, model(x))
+
+
+def test_different_inputs_or_widths_are_not_merged():
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(32, 16), torch.nn.Linear(32, 8), torch.nn.Linear(16, 8)
+
+        def forward(self, x, y):
+            return self.a(x).sum() + self.c(y).sum() + self.b(y[..., :32].repeat(1, 2)[..., :32]).sum()
+
+    model = Mixed().eval()
+    x, y = torch.randn(4, 32), torch.randn(4, 16)
+    with forced("merge_projections"):
+        out, _, backend = compile_run(model, x, y)
+    assert backend.report().records[0].matches["merge_projections"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x, y))
+
+
+def test_merged_weight_is_refolded_when_a_weight_changes_in_place():
+    model = Attention().eval()
+    x = torch.randn(2, 24, 32)
+    with forced("merge_projections"):
+        _, compiled, backend = compile_run(model, x)
+    with torch.no_grad():
+        model.to_k.weight.mul_(1.5)  # in place: the version counter moves, the concatenation is folded again
+        model.to_v.bias.add_(0.25)
+        expected = model(x)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            actual = compiled(x)
+    assert backend.report().records[0].matches["merge_projections"] == 1
+    assert_close(actual, expected)
+
+
+def test_merge_needs_freezing_and_follows_its_switch_and_the_device_declaration():
+    model, x = Attention().eval(), torch.randn(2, 24, 32)
+    _, _, backend = compile_run(model, x)  # CPU default: declared not faster
+    record = backend.report().records[0]
+    assert record.matches.get("merge_projections", 0) == 0
+    assert "not faster" in record.skipped["merge_projections"]
+    with forced("merge_projections"):
+        _, _, backend = compile_run(model, x, config=CompilationConfig(cache_dir=None, enable_freezing=False))
+        assert backend.report().records[0].skipped["merge_projections"] == "needs enable_freezing"
+        assert gemm_widths(backend) == [32, 32, 32, 32]
+        off = CompilationConfig(cache_dir=None, fusion_patterns={"enable_merge_projections": False})
+        _, _, backend = compile_run(model, x, config=off)
+        assert "merge_projections" not in backend.report().records[0].matches
+        assert gemm_widths(backend) == [32, 32, 32, 32]
+
+
+def test_merge_with_dynamic_shapes():
+    model = Attention().eval()
+    with forced("merge_projections"):
+        for n in (24, 40):
+            x = torch.randn(2, n, 32)
+            out, compiled, backend = compile_run(model, x, dynamic=True)
+            with torch.no_grad():
+                assert_close(out, model(x))
+    assert backend.report().records[0].matches["merge_projections"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ linear_gelu
+class Mlp(torch.nn.Module):
+    def __init__(self, d=32, hidden=64, bias=True, explicit=False, approximate="tanh", reuse=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(d, hidden, bias=bias), torch.nn.Linear(hidden, d)
+        self.explicit, self.approximate, self.reuse = explicit, approximate, reuse
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.explicit:
+            g = 0.5 * h * (1 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3))))
+        else:
+            g = F.gelu(h, approximate=self.approximate)
+        out = self.down(g)
+        return out + h[..., : out.shape[-1]] if self.reuse else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["aten", "explicit", "no_bias", "2d"])
+def test_linear_then_tanh_gelu_becomes_linear_gelu(dtype, form):
+    model = Mlp(bias=form != "no_bias", explicit=form == "explicit").to(dtype).eval()
+    x = torch.randn(*((48,) if form == "2d" else (2, 24)), 32, dtype=dtype)
+    with forced("linear_gelu"):
+        out, _, backend = compile_run(model, x)
+    counts = count_fused(backend)
+    assert calls(backend, torch.ops.mindiesd.linear_gelu.default) == 1 and counts["fast_gelu"] == 0
+    with torch.no_grad():
+        assert_close(out, model(x), dtype)
+
+
+def test_linear_gelu_leaves_exact_gelu_and_shared_outputs_to_the_other_families():
+    x = torch.randn(2, 24, 32)
+    with forced("linear_gelu"):
+        for model, gelus in ((Mlp(approximate="none").eval(), 0), (Mlp(reuse=True).eval(), 1)):
+            out, _, backend = compile_run(model, x)
+            assert calls(backend, torch.ops.mindiesd.linear_gelu.default) == 0
+            assert count_fused(backend)["fast_gelu"] == gelus
+            with torch.no_grad():
+                assert_close(out, model(x))
+
+
+def test_linear_gelu_is_off_on_cpu_by_default_and_fast_gelu_fuses_the_gelu():
+    model, x = Mlp().eval(), torch.randn(2, 24, 32)
+    _, _, backend = compile_run(model, x)
+    record = backend.report().records[0]
+    assert "linear_gelu" in record.skipped and record.matches["fast_gelu"] == 1
+
+
+def test_linear_gelu_kernels_match_the_reference():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 5, 32, generator=g), torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    reference = F.gelu(F.linear(x, w, b), approximate="tanh")
+    for kernel in (_gemm.linear_gelu_cpu, _gemm.linear_gelu_cuda):
+        for bias in (b, None):
+            expected = reference if bias is not None else F.gelu(F.linear(x, w), approximate="tanh")
+            torch.testing.assert_close(kernel(x, w, bias), expected, rtol=1e-5, atol=1e-5)
+    # on CPU torch._addmm_activation's GELU is the exact one: the CUDA kernel's check sees it and uses two ops
+    assert _gemm.epilogue_is_tanh_gelu(torch.device("cpu"), torch.float32) is False
+    torch.testing.assert_close(torch.ops.mindiesd.linear_gelu(x, w, b), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_gelu_rejects_inputs_that_are_not_a_linear_layer():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match="do not make a linear layer"):
+        torch.ops.mindiesd.linear_gelu(x, torch.randn(6, 7), None)
+    with pytest.raises(ValueError, match="bias"):
+        torch.ops.mindiesd.linear_gelu(x, w, torch.randn(5))
+    with pytest.raises(ValueError, match="share a dtype"):
+        torch.ops.mindiesd.linear_gelu(x, w.double(), None)
+
+
+def test_set_fast_refuses_a_device_without_a_kernel():
+    with pytest.raises(ValueError, match="declares no kernel"):
+        families.set_fast("linear_gelu", "npu")
+    with families.declared_fast("merge_projections", "cpu"):
+        assert families.fast_on("merge_projections", "cpu")
+    assert not families.fast_on("merge_projections", "cpu")
