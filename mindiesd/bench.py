@@ -659,7 +659,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     names = select_models(args.model, args.size, stderr)
     if not names:
         return 2
-    device_type = torch.device(args.device).type
+    device_type = str(args.device).split(":")[0]
     for name in getattr(args, "force", None) or []:
         try:
             set_fast(name, device_type, True)

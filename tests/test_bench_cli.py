@@ -381,3 +381,33 @@ def test_cli_bench_regional_reports_the_repeated_blocks_compile_beside_the_whole
     assert row["fused"] == sum(row[f] for f in bench.FAMILIES)
     assert row["regional_max_rel_err"] < 1e-5 and row["regional_compile_s"] > 0 and row["regional_ms"] > 0
     assert "reg_compile_s" in out.getvalue().splitlines()[0]
+
+
+@pytest.mark.slow
+def test_bench_force_and_ablate_measure_each_gemm_rewrite(tmp_path):
+    """--force runs a rewrite declared not faster on the device; --ablate times a copy with each one off."""
+    from mindiesd import families
+
+    path = tmp_path / "rows.json"
+    args = build_parser().parse_args(["bench", "--model", "flux", "--force", "merge_projections", "--force",
+                                      "linear_gelu", "--ablate", "--iters", "2", "--warmup", "0", "--cache-dir",
+                                      "off", "--json", str(path), "--quiet"])
+    out = io.StringIO()
+    try:
+        assert bench.run(args, stdout=out, stderr=io.StringIO()) == 0
+    finally:
+        families.set_fast("merge_projections", "cpu", False)
+        families.set_fast("linear_gelu", "cpu", False)
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["merge_projections"] == 8 and row["linear_gelu"] == 4 and row["fallbacks"] == 0
+    assert row["max_rel_err"] <= 1e-5
+    assert all(type(row[f"gain_{f}"]) is float and row[f"gain_{f}"] > 0 for f in GEMM_FAMILIES)
+    assert "merge_gain" in out.getvalue() and "lin_gelu_gain" in out.getvalue()
+    assert not families.fast_on("merge_projections", "cpu")
+
+
+def test_bench_force_refuses_a_family_without_a_kernel_on_the_device():
+    args = build_parser().parse_args(["bench", "--force", "linear_gelu", "--device", "npu"])
+    err = io.StringIO()
+    assert bench.run(args, stdout=io.StringIO(), stderr=err) == 2
+    assert "declares no kernel for 'npu'" in err.getvalue()

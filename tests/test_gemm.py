@@ -268,3 +268,41 @@ def test_set_fast_refuses_a_device_without_a_kernel():
     with families.declared_fast("merge_projections", "cpu"):
         assert families.fast_on("merge_projections", "cpu")
     assert not families.fast_on("merge_projections", "cpu")
+
+
+# ------------------------------------------------------------------------------------------------- the models
+#: merged matmuls in the tiny core models: Flux (2 double blocks: image q/k/v, context q/k/v; 4 single blocks:
+#: q/k/v + proj_mlp), SD3 (2 joint blocks: image and context q/k/v), Wan (2 blocks: self q/k/v, cross k/v)
+MERGED = {"flux": 8, "sd3": 4, "wan": 4}
+
+
+def _compiled(case):
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None, strict=True), keep_graphs=True)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", MindieSDFallbackWarning)
+            return torch.compile(case.model, backend=backend)(**case.inputs)[0], backend
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MERGED))
+def test_gemm_rewrites_on_the_core_models(name):
+    from mindiesd import zoo
+
+    case = zoo.build(name, "tiny")
+    with torch.no_grad():
+        expected = case.model(**case.inputs)[0]
+    default = count_fused(_compiled(case)[1])
+    with forced("merge_projections", "linear_gelu"):
+        actual, backend = _compiled(case)
+    record = backend.report().records[0]
+    counts = count_fused(backend)
+    assert record.matches["merge_projections"] == MERGED[name] and backend.report().graphs == 1
+    # the other families fuse as before; a GELU after an unmerged linear moves to linear_gelu
+    assert {f: counts[f] for f in counts if f != "fast_gelu"} == {f: default[f] for f in default if f != "fast_gelu"}
+    assert record.matches["linear_gelu"] + counts["fast_gelu"] == default["fast_gelu"]
+    assert calls(backend, torch.ops.mindiesd.linear_gelu.default) == record.matches["linear_gelu"]
+    assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-5
