@@ -4,7 +4,8 @@
 #   bash bench/gpu_check.sh --dry-run  # prints the steps only
 # Steps: environment, CUDA tests (CUDA graphs; Triton kernels compiled for the GPU), the model bench with
 # device-graph capture on tiny and mid Flux (eager, mindiesd, mindiesd + capture, Inductor on tiny), and the op
-# bench (`python -m mindiesd bench ops --device cuda`: each fused op vs its eager sequence, Inductor and a copy).
+# bench (`python -m mindiesd bench ops --device cuda`: each fused op vs its eager sequence, Inductor and a copy);
+# the GEMM rewrites (off until measured on a GPU) forced on with each one off in turn (--force ... --ablate).
 # Without a GPU it says so and exits 0 after the environment step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +15,12 @@ DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 
 STEPS=(
-  "tests|120|python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_triton_kernels.py tests/test_layout.py"
+  "tests|120|python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_triton_kernels.py tests/test_layout.py tests/test_gemm.py"
   "flux_tiny_capture|60|python -m mindiesd bench --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
   "flux_tiny_inductor|90|python -m mindiesd bench --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
   "flux_mid_capture|90|python -m mindiesd bench --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
   "flux_mid_bf16_capture|90|python -m mindiesd bench --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
+  "flux_mid_bf16_gemm|100|python -m mindiesd bench --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
   "ops_cuda|150|python -m mindiesd bench ops --device cuda --markdown"
 )
 

@@ -306,3 +306,35 @@ def test_gemm_rewrites_on_the_core_models(name):
     assert record.matches["linear_gelu"] + counts["fast_gelu"] == default["fast_gelu"]
     assert calls(backend, torch.ops.mindiesd.linear_gelu.default) == record.matches["linear_gelu"]
     assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_gelu_cuda_kernel_and_rewrites_on_the_gpu(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g).to("cuda", dtype)
+    w = (torch.randn(256, 128, generator=g) * 0.1).to("cuda", dtype)
+    b = torch.randn(256, generator=g).to("cuda", dtype)
+    expected = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
+    rtol, atol = TOLERANCE[dtype]
+    for bias, want in ((b, expected), (None, F.gelu(F.linear(x.double(), w.double()), approximate="tanh"))):
+        out = _gemm.linear_gelu_cuda(x, w, bias)
+        assert out.dtype == dtype and out.is_contiguous()
+        torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol * max(1.0, want.abs().max().item()))
+    model = Attention().to("cuda", dtype).eval()
+    mlp = Mlp().to("cuda", dtype).eval()
+    xs = torch.randn(2, 24, 32, device="cuda", dtype=dtype)
+    with forced_on("cuda", "merge_projections", "linear_gelu"):
+        for module in (model, mlp):
+            out, _, backend = compile_run(module, xs)
+            with torch.no_grad():
+                assert_close(out, module(xs), dtype)
+    assert backend.report().records[0].matches["linear_gelu"] == 1
+
+
+@contextlib.contextmanager
+def forced_on(device_type, *names):
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(families.declared_fast(name, device_type))
+        yield
