@@ -347,7 +347,8 @@ def job_model(name):
         backend = MindieSDBackend(CompilationConfig(graph_log_url=log_dir), keep_graphs=True)
         out = _first(torch.compile(case.model, backend=backend)(**case.inputs))
         report = backend.report()
-        result.update(error=_relative_error(out, reference), counts=dict(report.matches), graphs=report.graphs,
+        result.update(error=_relative_error(out, reference), counts={f: report.matches[f] for f in FAMILIES},
+                      graphs=report.graphs,
                       aten_collectives=_aten_collectives(log_dir), final_collectives=_final_collectives(backend),
                       collectives=collectives_in(backend.graphs), report_fallbacks=list(report.fallbacks))
         torch._dynamo.reset()
