@@ -163,6 +163,42 @@ def test_merged_weight_is_refolded_when_a_weight_changes_in_place():
     assert_close(actual, expected)
 
 
+def test_merged_weights_live_in_the_concatenation_so_data_writes_are_seen():
+    """The concatenated weight is not a copy: q/k/v become views of it, so even a write through ``.data`` (which
+    moves no version counter: PEFT's merge(), diffusers' fuse_lora) reaches the merged matmul."""
+    model = Attention().eval()
+    x = torch.randn(2, 24, 32)
+    with forced("merge_projections"):
+        _, compiled, backend = compile_run(model, x)
+    q, k, v = model.to_q.weight, model.to_k.weight, model.to_v.weight
+    assert isinstance(q, torch.nn.Parameter) and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert (k.storage_offset(), v.storage_offset()) == (q.storage_offset() + q.numel(), q.storage_offset() + 2 * q.numel())
+    with torch.no_grad():
+        model.to_k.weight.data += 0.5  # invisible to version counters
+        model.to_v.bias.data.mul_(-1.0)
+        expected = model(x)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            actual = compiled(x)
+    assert_close(actual, expected)
+    assert model.to_q.weight.requires_grad and model.to_q.weight.grad is None
+
+
+def test_a_second_graph_over_the_same_weights_reads_them_in_place():
+    """A recompile for another shape folds the same weights: they already lie side by side, so its merged
+    weight is a view of them (no copy, and the two graphs do not take the weights from each other)."""
+    model = Attention().eval()
+    with forced("merge_projections"):
+        _, compiled, backend = compile_run(model, torch.randn(2, 24, 32))
+        storage = model.to_q.weight.untyped_storage().data_ptr()
+        with torch.no_grad():
+            for n in (40, 24, 40):
+                x = torch.randn(2, n, 32)
+                assert_close(compiled(x), model(x))
+    assert backend.report().graphs == 2
+    assert model.to_q.weight.untyped_storage().data_ptr() == storage
+    assert model.to_v.weight.untyped_storage().data_ptr() == storage
+
+
 def test_merge_needs_freezing_and_follows_its_switch_and_the_device_declaration():
     model, x = Attention().eval(), torch.randn(2, 24, 32)
     _, _, backend = compile_run(model, x)  # CPU default: declared not faster
@@ -338,3 +374,56 @@ def forced_on(device_type, *names):
         for name in names:
             stack.enter_context(families.declared_fast(name, device_type))
         yield
+
+
+@pytest.mark.slow
+def test_peft_fuse_lora_after_compiling_with_merged_projections_and_save_pretrained(tmp_path):
+    """diffusers' fuse_lora / unfuse_lora (PEFT's merge(): ``base_layer.weight.data += delta``) after compiling
+    with merged projections give eager's results (PEFT's state changes the forward, so Dynamo recompiles; the
+    write through ``.data`` without a recompile is test_merged_weights_live_in_the_concatenation_so_data_writes_
+    are_seen); the model, whose q/k/v now share one storage, still saves and loads."""
+    pytest.importorskip("peft")
+    from mindiesd import zoo
+
+    case = zoo.build("flux", "tiny")
+    model, inputs = case.model, case.inputs
+    gen = torch.Generator().manual_seed(3)
+    lora = {}
+    for name, module in model.named_modules():
+        if name.endswith((".to_q", ".to_k", ".to_v")) and isinstance(module, torch.nn.Linear):
+            lora[f"{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=gen) * 0.05
+            lora[f"{name}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen) * 0.05
+    model.load_lora_adapter(lora, adapter_name="style", prefix=None)
+    with forced("merge_projections"):
+        first, backend = _compiled_keep(case)
+        assert backend.report().records[0].matches["merge_projections"] == 8
+        with torch.no_grad():
+            unfused = model(**inputs)[0]
+            model.fuse_lora(lora_scale=2.0)  # base weights changed in place through .data; adapters skipped from now
+            fused_eager = model(**inputs)[0]
+            fused = backend.compiled(**inputs)[0]  # a second graph (PEFT's `merged` flag changes the forward)
+            model.unfuse_lora()  # in place through .data again
+            unfused_eager = model(**inputs)[0]
+            unfused_again = backend.compiled(**inputs)[0]
+            model.fuse_lora()
+    torch._dynamo.reset()
+    error = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    assert error(first, unfused) <= 1e-5
+    assert error(fused_eager, unfused) > 1e-3, "fusing the adapters changes nothing: the test would prove nothing"
+    assert error(fused, fused_eager) <= 1e-5
+    assert error(unfused_again, unfused_eager) <= 1e-5
+    model.unload_lora()
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        again = reloaded(**inputs)[0]
+    torch.testing.assert_close(again, fused_eager, rtol=1e-5, atol=1e-5)
+
+
+def _compiled_keep(case):
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None, strict=True), keep_graphs=True)
+    torch._dynamo.reset()
+    backend.compiled = torch.compile(case.model, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        return backend.compiled(**case.inputs)[0], backend

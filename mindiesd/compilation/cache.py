@@ -189,8 +189,11 @@ def _get_attr(gm: torch.nn.Module, target: str) -> Any:
     return value
 
 
-def _tensor_meta(t: torch.Tensor) -> str:
-    return (f"{tuple(t.shape)} {tuple(t.stride())} {t.storage_offset()} {t.dtype} {t.device.type} "
+def _tensor_meta(t: torch.Tensor, weight: bool = False) -> str:
+    # a weight's place in its storage does not change the graph (merged projections make weights views of one
+    # buffer after the first fold): the key of a process that folded already equals that of a fresh one
+    offset = "-" if weight else t.storage_offset()
+    return (f"{tuple(t.shape)} {tuple(t.stride())} {offset} {t.dtype} {t.device.type} "
             f"{t.requires_grad} {type(t).__name__}")
 
 
@@ -230,7 +233,8 @@ def graph_key(gm: GraphModule, example_inputs: Sequence[Any], weights: Iterable[
     for i, value in enumerate(example_inputs):
         if isinstance(value, torch.Tensor):
             same = first_of.setdefault(id(value), i)
-            digest.update(f"input {i} {_tensor_meta(value)} weight={i in weight_set} same={same}\n".encode())
+            weight = i in weight_set
+            digest.update(f"input {i} {_tensor_meta(value, weight)} weight={weight} same={same}\n".encode())
         else:
             digest.update(f"input {i} {type(value).__name__} {value!r}\n".encode())
     return digest.hexdigest()

@@ -11,6 +11,13 @@ each instance the result of its own weights, and weights replaced (``param.data 
 (``load_state_dict``, ``with torch.no_grad(): p.copy_(...)``) are folded again before the next use.
 Writes through ``param.data.copy_(...)`` bypass the version counter; call :func:`clear_frozen_caches` after them.
 
+A folded value that is the concatenation of whole weights along their first dimension (the merged projection
+weight of ``merge_projections``) is not kept as a copy: the weights themselves are moved into it
+(``param.data`` becomes a view of the concatenation), so the model holds each weight once and every later write
+to a weight, ``.data`` writes included (PEFT's ``merge()``), lands in what the merged matmul reads. Where the
+weights already lie side by side in that order (a second compiled graph, for another input shape, over the same
+weights), the folded value is a view of them and nothing is copied.
+
 Whenever folded values leave the cache (cleared, evicted, or replaced by a new fold), the listeners added with
 :func:`add_release_listener` are told, so that device-graph captures reading them are dropped too.
 """
@@ -192,6 +199,60 @@ def _ancestors(nodes: Sequence[Node]) -> Set[Node]:
     return seen
 
 
+def _concatenations(fold: GraphModule) -> List[Tuple[int, List[int]]]:
+    """The fold's outputs that are ``cat(dim 0)`` of two or more distinct inputs, each input in one of them only."""
+    placeholders = {n: i for i, n in enumerate(n for n in fold.graph.nodes if n.op == "placeholder")}
+    output = next(n for n in fold.graph.nodes if n.op == "output")
+    found: List[Tuple[int, List[int]]] = []
+    used: Set[int] = set()
+    for index, node in enumerate(output.args[0]):
+        if not (isinstance(node, Node) and node.op == "call_function" and node.target is torch.ops.aten.cat.default):
+            continue
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim != 0 or len(parts) < 2 or not all(isinstance(p, Node) and p in placeholders for p in parts):
+            continue
+        positions = [placeholders[p] for p in parts]
+        if len(set(positions)) != len(positions) or used & set(positions):
+            continue
+        used.update(positions)
+        found.append((index, positions))
+    return found
+
+
+def _share_concatenations(folded: Tuple[torch.Tensor, ...], weights: Sequence[torch.Tensor],
+                          plan: Sequence[Tuple[int, List[int]]]) -> Tuple[torch.Tensor, ...]:
+    """Each concatenation of whole weights made the storage of those weights (see the module doc)."""
+    out = list(folded)
+    for index, positions in plan:
+        parts = [weights[p] for p in positions]
+        merged = out[index]
+        if not all(isinstance(w, torch.Tensor) and w.is_contiguous() and w.dim() >= 1 and w.dtype == merged.dtype
+                   and w.device == merged.device and not w.is_inference() for w in parts) or not merged.is_contiguous():
+            continue  # kept as a copy
+        adjacent = _adjacent_view(parts, merged)
+        if adjacent is not None:
+            out[index] = adjacent
+            continue
+        row = 0
+        for w in parts:
+            w.data = merged[row:row + w.shape[0]]  # same values: the weight now lives in the concatenation
+            row += w.shape[0]
+    return tuple(out)
+
+
+def _adjacent_view(parts: Sequence[torch.Tensor], merged: torch.Tensor) -> Optional[torch.Tensor]:
+    """A view spanning ``parts`` when they lie back to back in one storage, in order, shaped as ``merged``."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for w in parts:
+        if w.untyped_storage().data_ptr() != storage or w.storage_offset() != offset:
+            return None
+        offset += w.numel()
+    return first.as_strided(merged.shape, merged.stride(), first.storage_offset())
+
+
 class _Entry:
     __slots__ = ("refs", "ptrs", "versions", "folded")
 
@@ -218,6 +279,9 @@ class FrozenGraph:
     def __init__(self, fold: GraphModule, main: GraphModule, fold_inputs: List[int], main_inputs: List[int], n_folded: int):
         self.fold, self.main = fold, main
         self.fold_inputs, self.main_inputs, self.n_folded = fold_inputs, main_inputs, n_folded
+        #: Folded outputs that concatenate whole weights: (output index, positions of those weights in the
+        #: fold's inputs), see the module doc.
+        self.concatenations = _concatenations(fold)
         self._cache: "OrderedDict[Tuple[int, ...], _Entry]" = OrderedDict()
         self._lock = threading.Lock()
         _live_graphs.add(self)
@@ -238,6 +302,8 @@ class FrozenGraph:
                 return entry.folded
         with torch.no_grad():
             folded = tuple(self.fold(*weights))
+            if self.concatenations:
+                folded = _share_concatenations(folded, weights, self.concatenations)
         released: List[torch.Tensor] = []
         with self._lock:
             replaced = self._cache.pop(key, None)

@@ -10,8 +10,9 @@ without a bias), ``x`` often a separate ``view`` of the same tensor per layer. T
 
 A group never spans an attention (the blocks of a model read the same text states for their context K/V; one
 matmul for all blocks would keep all their K/V alive at once). This pass runs on the aten graph *before* it is split into fold and main graphs, so the concatenations are
-folded with the other constants, once per weight set, and made again when a weight changes (a LoRA hot-swap
-writes ``to_q``'s weight in place: the fold sees its version counter move).
+folded with the other constants, once per weight set, and made again when a weight is replaced; freezing makes
+the merged weights views of the concatenation (``mindiesd.compilation.freezing``), so writes to them in place,
+through ``.data`` too, reach the merged matmul. LoRA adapter weights are left out by the backend.
 
 Each ``out_i`` is a column slice of ``y``, so its strides are not those of the separate layer's output. A merge
 is kept only when every value computed from the slices is still computable and, where its layout changes, the
