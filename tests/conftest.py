@@ -1,13 +1,44 @@
+"""Shared set-up of the suite, by layer: ``unit`` (settings, matcher), ``ops`` (the fused operators and their
+kernels), ``compile`` (the backend on small modules), ``models`` (diffusers transformers, pipelines, LoRA,
+regional and multi-device runs), ``bench`` (the benchmark tooling). ``-m "not slow"`` is the quick set."""
+
 import os
+import sys
+import time
 
 # The persistent compile cache is off for the suite: a test must compile what it tests, not load an entry that an
-# earlier run stored. tests/test_cache.py turns it on, in folders of its own.
+# earlier run stored. tests/compile/test_cache.py turns it on, in folders of its own.
 os.environ["MINDIESD_CACHE_DIR"] = "off"
+# The shared helpers (fusion_utils) sit beside this file; the tests live one folder below it.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+_KERNEL_BUILD: dict = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel_build():
+    """Build (or load from its cache) the C++ CPU kernels once, before any test, so that their one-time cost
+    is charged here and reported at the end rather than to whichever test first runs a CPU kernel."""
+    from mindiesd.ops._cpp_kernels import build_cpu_kernels, cpu_kernel_implementation
+
+    start = time.perf_counter()
+    build_cpu_kernels()
+    _KERNEL_BUILD["seconds"] = time.perf_counter() - start
+    _KERNEL_BUILD["implementation"] = cpu_kernel_implementation()
+    yield _KERNEL_BUILD["implementation"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _KERNEL_BUILD:
+        terminalreporter.write_line(
+            f"mindiesd CPU kernels: {_KERNEL_BUILD['implementation']}; "
+            f"build or cache load {_KERNEL_BUILD['seconds']:.1f} s (session fixture cpu_kernel_build)"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -517,7 +517,7 @@ def test_build_lists_every_source():
     assert set(_cpp_build.SOURCES) == {name for name in files if name.endswith(".cpp")}
     assert [path.name for path in _cpp_build.source_files()] == sorted(files)
     # the package data ships them
-    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"_cpp/*.cpp", "_cpp/*.h"' in pyproject
 
 

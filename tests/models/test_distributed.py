@@ -19,7 +19,7 @@ Which paths are covered how:
 Each check compares every rank with the single-process eager model (fp32: 1e-5 of the output's largest magnitude);
 the fused counts of every rank with the single-process compile's (the DiT block and ``compile_repeated_blocks``:
 a single-process compile in the same job; whole models: the registry's expected counts, which the single-process
-compile gives in tests/test_models_e2e.py); and the collectives of the compiled graphs with those of the aten graph
+compile gives in tests/models/test_models_e2e.py); and the collectives of the compiled graphs with those of the aten graph
 before the passes. A ``MindieSDFallbackWarning`` fails the check. The 2 processes are started once for the file
 (``World``) and run one job per check.
 """

@@ -23,7 +23,7 @@ from mindiesd.ops import _cpu, reference
 from mindiesd.ops._layout import conform, output_layout
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: (rtol, atol) against the reference, which also computes in fp32 and rounds once: one step of the dtype
 #: (Triton's interpreter truncates to bf16 where GPUs round to nearest).

@@ -34,7 +34,7 @@ from mindiesd.ops import _triton as kernels  # noqa: E402
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not IN_INTERPRETER else "cpu"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 INTERPRETER_RUN_TIMEOUT_S = 300
 
 TOLERANCES = {
