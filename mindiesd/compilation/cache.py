@@ -112,16 +112,22 @@ class CachedGraph:
 _SOURCE_HASH: Optional[str] = None
 
 
-def _source_hash() -> str:
-    """sha256 of mindiesd's Python sources: a changed pass or op schema makes earlier entries stale."""
+def _source_hash(root: Optional[Path] = None) -> str:
+    """sha256 of the product's sources under ``root`` (default: the installed package): its ``__init__.py``, the
+    Python of ``compilation/`` and ``ops/`` and the ops' C++; a changed pass or op schema makes earlier entries
+    stale, a changed bench or zoo model does not."""
     global _SOURCE_HASH
-    if _SOURCE_HASH is None:
-        root = Path(__file__).resolve().parent.parent
-        digest = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-        _SOURCE_HASH = digest.hexdigest()
+    if root is None and _SOURCE_HASH is not None:
+        return _SOURCE_HASH
+    package = Path(__file__).resolve().parent.parent if root is None else Path(root)
+    patterns = ("__init__.py", "compilation/**/*.py", "ops/**/*.py", "ops/**/*.cpp", "ops/**/*.h")
+    digest = hashlib.sha256()
+    for path in sorted({path for pattern in patterns for path in package.glob(pattern)}):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    if root is not None:
+        return digest.hexdigest()
+    _SOURCE_HASH = digest.hexdigest()
     return _SOURCE_HASH
 
 
