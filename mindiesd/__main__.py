@@ -5,46 +5,29 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
+
+
+class _RootParser(argparse.ArgumentParser):
+    """The root parser; names the bench mode where the command line uses an earlier form (``bench --model``)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        from .benchmarks.cli import with_mode
+
+        return super().parse_known_args(with_mode(sys.argv[1:] if args is None else args), namespace)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-command per tool."""
-    from . import bench, bench_ops
+    from .benchmarks.cli import add_bench_command
 
-    parser = argparse.ArgumentParser(
+    parser = _RootParser(
         prog="mindiesd",
         description="Tools for the MindieSD torch.compile backend.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    bench_parser = commands.add_parser(
-        "bench",
-        help="compile registry models with the MindieSD backend and time them ('bench ops': the fused operators alone)",
-        description=(
-            "Build a small diffusers transformer of the registry (mindiesd.zoo) with random weights, compile it with "
-            "torch.compile(backend=MindieSDBackend()) and print fused-op counts, error "
-            "vs eager, compile time and eager/compiled latency (medians of interleaved runs)."
-        ),
-    )
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(handler=bench.run)
-    bench_commands = bench_parser.add_subparsers(
-        dest="bench_command",
-        title="sub-command",
-        metavar="ops",
-        description="'mindiesd bench ops [options]': the fused operators alone (its options follow 'ops')",
-    )
-    ops_parser = bench_commands.add_parser(
-        "ops",
-        help="time the fused operators alone: eager's op sequence vs the kernel vs Inductor vs a copy",
-        description=(
-            "Time each fused operator against the eager op sequence its pass replaces, Inductor's compile of that "
-            "sequence and a copy (the bandwidth floor), interleaved in one process; one row per op and dtype."
-        ),
-    )
-    bench_ops.add_arguments(ops_parser)
-    ops_parser.set_defaults(handler=bench_ops.run)
+    add_bench_command(commands)
     cache_parser = commands.add_parser(
         "cache",
         help="the persistent compile cache: 'cache' prints its folder and size, 'cache clear' empties it",

@@ -13,7 +13,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from mindiesd import bench, bench_ops, timing, zoo  # noqa: E402
+from mindiesd import zoo  # noqa: E402
+from mindiesd.benchmarks import common, models, timing  # noqa: E402
+from mindiesd.benchmarks import ops as op_bench  # noqa: E402
 from mindiesd.families import GEMM_FAMILIES, SPEC_FAMILIES  # noqa: E402
 from mindiesd.__main__ import build_parser, main  # noqa: E402
 
@@ -96,29 +98,30 @@ def test_registry_names_groups_and_sizes():
 def test_bench_model_choices_are_the_registry_names():
     parser = build_parser()
     bench_parser = parser._subparsers._group_actions[0].choices["bench"]
-    (model_action,) = [a for a in bench_parser._actions if "--model" in a.option_strings]
+    model_parser = bench_parser._subparsers._group_actions[0].choices["model"]
+    (model_action,) = [a for a in model_parser._actions if "--model" in a.option_strings]
     assert tuple(c for c in model_action.choices if c not in ("core", "all")) == zoo.MODELS
-    assert bench.MODEL_CHOICES == (*zoo.MODELS, "core", "all")
+    assert common.MODEL_CHOICES == (*zoo.MODELS, "core", "all")
     for name in zoo.MODELS:
         assert build_parser().parse_args(["bench", "--model", name]).model == name
 
 
 def test_bench_model_groups_select_the_registry():
     err = io.StringIO()
-    assert bench.select_models("all", "tiny", err) == zoo.MODELS and err.getvalue() == ""
-    assert bench.select_models("core", "mid", err) == ("flux", "sd3", "wan")
-    assert bench.select_models("all", "mid", err) == ("flux", "sd3", "wan")
+    assert common.select_models("all", "tiny", err) == zoo.MODELS and err.getvalue() == ""
+    assert common.select_models("core", "mid", err) == ("flux", "sd3", "wan")
+    assert common.select_models("all", "mid", err) == ("flux", "sd3", "wan")
     assert "no mid size, left out: qwen_image" in err.getvalue()
     err = io.StringIO()
-    assert bench.select_models("prx", "mid", err) == ()
+    assert common.select_models("prx", "mid", err) == ()
     assert "prx has no size 'mid'" in err.getvalue()
     args = build_parser().parse_args(["bench", "--model", "prx", "--size", "mid"])
-    assert bench.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 2
+    assert models.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 2
 
 
 def test_cli_help_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--help"])
+        main(["bench", "model", "--help"])
     assert exit_info.value.code == 0
     assert "--vs" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
@@ -149,7 +152,7 @@ def test_interleaved_medians_calls_each_runner_equally():
 
         return runner
 
-    medians = bench.interleaved_medians({"a": make("a"), "b": make("b", seconds=0.005)}, iters=5, warmup=2)
+    medians = models.interleaved_medians({"a": make("a"), "b": make("b", seconds=0.005)}, iters=5, warmup=2)
     assert calls == {"a": 7, "b": 7}
     assert set(medians) == {"a", "b"}
     assert medians["b"] >= 5.0, medians  # milliseconds: each call of b sleeps 5 ms
@@ -181,27 +184,27 @@ def test_interleaved_medians_rounds_rotation_and_calls_per_sample(monkeypatch):
 
 
 def test_bench_uses_the_shared_timing_loop():
-    assert bench.interleaved_medians is timing.interleaved_medians
-    assert bench_ops.interleaved_medians is timing.interleaved_medians
+    assert models.interleaved_medians is timing.interleaved_medians
+    assert op_bench.interleaved_medians is timing.interleaved_medians
 
 
 def test_cli_bench_ops_parses_its_own_options():
     args = build_parser().parse_args(["bench", "ops", "--quick", "--device", "cpu", "--ops", "rope"])
-    assert args.handler is bench_ops.run and args.quick and args.ops == "rope" and args.device == "cpu"
+    assert args.handler is op_bench.run and args.quick and args.ops == "rope" and args.device == "cpu"
     args = build_parser().parse_args(["bench", "ops"])
     assert (args.dtype, args.reps, args.rounds, args.no_inductor, args.markdown) == (None, 20, None, False, False)
-    assert build_parser().parse_args(["bench"]).handler is bench.run
+    assert build_parser().parse_args(["bench"]).handler is models.run
 
 
 def test_bench_ops_cases_agree_with_eager():
-    names = list(bench_ops.OP_NAMES)
-    cases = bench_ops.build_cases(torch.float32, names, variants=True)
-    assert [c.op for c in bench_ops.build_cases(torch.float32, names)] == names
+    names = list(op_bench.OP_NAMES)
+    cases = op_bench.build_cases(torch.float32, names, variants=True)
+    assert [c.op for c in op_bench.build_cases(torch.float32, names)] == names
     assert {c.op for c in cases} >= {"rope:rotate_half", "rope:general_tables", "adalayernorm:1d_mod",
                                      "fast_gelu:formula", "mul_add:full_y"}
     with torch.no_grad():
         for case in cases:
-            assert bench_ops.check_agreement(case) < 1e-4, case.op
+            assert op_bench.check_agreement(case) < 1e-4, case.op
 
 
 def test_cli_bench_ops_quick_prints_its_table():
@@ -209,19 +212,19 @@ def test_cli_bench_ops_quick_prints_its_table():
     args = build_parser().parse_args(
         ["bench", "ops", "--quick", "--ops", "fast_gelu,mul_add", "--reps", "2", "--prefault-mib", "0"]
     )
-    assert bench_ops.run(args, stdout=out, stderr=err) == 0, err.getvalue()
+    assert op_bench.run(args, stdout=out, stderr=err) == 0, err.getvalue()
     lines = out.getvalue().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("op "))
     assert "inductor ms" not in lines[header] and "eager/kernel" in lines[header]
     rows = [line.split()[0] for line in lines[header + 1:]]
     assert rows == ["fast_gelu", "fast_gelu:formula", "mul_add", "mul_add:full_y"]
     args = build_parser().parse_args(["bench", "ops", "--ops", "conv"])
-    assert bench_ops.run(args, stdout=io.StringIO(), stderr=err) == 2 and "unknown op" in err.getvalue()
+    assert op_bench.run(args, stdout=io.StringIO(), stderr=err) == 2 and "unknown op" in err.getvalue()
 
 
 def test_progress_plain_lines():
     stream = io.StringIO()
-    with bench.Progress(stream, live=False).step("compiling x/tiny with mindiesd"):
+    with common.Progress(stream, live=False).step("compiling x/tiny with mindiesd"):
         pass
     lines = stream.getvalue().splitlines()
     assert lines[0] == "compiling x/tiny with mindiesd ..."
@@ -231,7 +234,7 @@ def test_progress_plain_lines():
 def test_progress_live_ticker_ends_with_elapsed():
     stream = io.StringIO()
     with pytest.raises(RuntimeError, match="^boom$"):  # the step's own error, not wrapped
-        with bench.Progress(stream, live=True, interval=0.01).step("compiling"):
+        with common.Progress(stream, live=True, interval=0.01).step("compiling"):
             raise RuntimeError("boom")
     assert stream.getvalue().endswith("s\n")
     assert "failed after" in stream.getvalue()
@@ -259,12 +262,12 @@ class _PassThroughBackend:
 
 
 def _assert_complete_row(row, backend, vs_inductor=False):
-    columns = bench.BASE_COLUMNS + (bench.INDUCTOR_COLUMNS if vs_inductor else ())
+    columns = models.BASE_COLUMNS + (models.INDUCTOR_COLUMNS if vs_inductor else ())
     missing = [c for c in columns if c not in row]
     assert not missing, missing
     matches = backend.report().matches
-    assert {f: row[f] for f in bench.FAMILIES} == {f: matches.get(f, 0) for f in bench.FAMILIES}
-    assert all(type(row[f]) is int for f in bench.FAMILIES)
+    assert {f: row[f] for f in common.FAMILIES} == {f: matches.get(f, 0) for f in common.FAMILIES}
+    assert all(type(row[f]) is int for f in common.FAMILIES)
     assert row["compile_s"] > 0 and row["eager_ms"] > 0 and row["mindiesd_ms"] > 0
     assert row["speedup"] == pytest.approx(row["eager_ms"] / row["mindiesd_ms"])
 
@@ -272,26 +275,26 @@ def _assert_complete_row(row, backend, vs_inductor=False):
 def test_run_case_and_table_with_a_pass_through_backend():
     case = zoo.build("wan")
     backend = _PassThroughBackend()
-    row = bench.run_case(case, iters=2, warmup=0, backend=backend, progress=bench.QuietProgress())
+    row = models.run_case(case, iters=2, warmup=0, backend=backend, progress=common.QuietProgress())
     _assert_complete_row(row, backend)
-    assert all(row[f] == 0 for f in bench.FAMILIES)
+    assert all(row[f] == 0 for f in common.FAMILIES)
     assert row["max_rel_err"] == 0.0 and row["graphs"] >= 1
-    table = bench.format_table([row])
+    table = models.format_table([row])
     header, rule, body = table.splitlines()
     assert header.split()[:3] == ["model", "size", "dtype"] and body.split()[:3] == ["wan", "tiny", "fp32"]
     assert len(header) == len(rule)
-    markdown = bench.format_table([row], markdown=True).splitlines()
+    markdown = models.format_table([row], markdown=True).splitlines()
     assert all(line.startswith("|") and line.endswith("|") for line in markdown)
 
 
 def test_cli_bench_prints_table_and_writes_json(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "_backend", lambda *args, **settings: _PassThroughBackend())
+    monkeypatch.setattr(models, "make_backend", lambda *args, **settings: _PassThroughBackend())
     out, err = io.StringIO(), io.StringIO()
     path = tmp_path / "rows.json"
     args = build_parser().parse_args(
         ["bench", "--model", "sd3", "--iters", "1", "--warmup", "0", "--json", str(path)]
     )
-    assert bench.run(args, stdout=out, stderr=err) == 0
+    assert models.run(args, stdout=out, stderr=err) == 0
     assert out.getvalue().splitlines()[2].split()[:3] == ["sd3", "tiny", "fp32"]
     assert "compiling sd3/tiny with mindiesd ..." in err.getvalue()
     saved = json.loads(path.read_text())
@@ -305,7 +308,7 @@ def test_run_case_flux_with_the_mindiesd_backend():
         pytest.skip(f"mindiesd.compilation is not importable yet: {exc}")
     case = zoo.build("flux", "tiny", dtype=torch.float32)
     backend = MindieSDBackend()
-    row = bench.run_case(case, iters=2, warmup=0, backend=backend, progress=bench.QuietProgress())
+    row = models.run_case(case, iters=2, warmup=0, backend=backend, progress=common.QuietProgress())
     _assert_complete_row(row, backend)
     assert all(row[f] > 0 for f in SPEC_FAMILIES), "tiny Flux has sites of every family"
     assert all(row[f] == 0 for f in GEMM_FAMILIES), "the GEMM rewrites are off on CPU by default"
@@ -325,15 +328,15 @@ def test_run_case_keeps_its_row_when_inductor_fails(monkeypatch):
         return real_compile(model, backend=backend, **kwargs)
 
     monkeypatch.setattr(torch, "compile", compile_without_inductor)
-    progress = bench.Progress(io.StringIO(), live=False)
+    progress = common.Progress(io.StringIO(), live=False)
     backend = _PassThroughBackend()
-    row = bench.run_case(
+    row = models.run_case(
         zoo.build("wan"), iters=1, warmup=0, vs_inductor=True, backend=backend, progress=progress
     )
     _assert_complete_row(row, backend, vs_inductor=True)
     assert row["inductor_ms"] is None and row["speed_vs_inductor"] is None
     assert "inductor failed on wan/tiny" in progress.stream.getvalue()
-    assert "-" in bench.format_table([row]).splitlines()[2].split()
+    assert "-" in models.format_table([row]).splitlines()[2].split()
 
 
 def test_cli_bench_second_run_loads_from_the_cache_dir(tmp_path):
@@ -343,29 +346,29 @@ def test_cli_bench_second_run_loads_from_the_cache_dir(tmp_path):
         path = tmp_path / f"run{len(rows)}.json"
         args = build_parser().parse_args(["bench", "--model", "wan", "--iters", "1", "--warmup", "0", "--quiet",
                                           "--cache-dir", str(tmp_path / "cache"), "--json", str(path)])
-        assert bench.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+        assert models.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 0
         rows.append(json.loads(path.read_text())["rows"][0])
     first, second = rows
     assert (first["cache"], second["cache"]) == ("stored", "hit")
-    assert {f: second[f] for f in bench.FAMILIES} == {f: first[f] for f in bench.FAMILIES}
-    assert sum(first[f] for f in bench.FAMILIES) > 0
+    assert {f: second[f] for f in common.FAMILIES} == {f: first[f] for f in common.FAMILIES}
+    assert sum(first[f] for f in common.FAMILIES) > 0
     assert 0 < second["backend_s"] < first["backend_s"]
     assert second["max_rel_err"] < 1e-5
 
 
-def test_cli_bench_cold_uses_an_empty_cache_and_excludes_cache_dir(tmp_path, monkeypatch):
+def test_cli_bench_cold_uses_an_empty_cache_and_excludes_cache_dir(tmp_path, monkeypatch, capsys):
     from mindiesd.compilation import CompilationConfig
 
     monkeypatch.setattr(CompilationConfig, "cache_dir", str(tmp_path / "user"))  # the user's cache: left alone
     out = io.StringIO()
     args = build_parser().parse_args(["bench", "--model", "wan", "--iters", "1", "--warmup", "0", "--quiet", "--cold"])
-    assert bench.run(args, stdout=out, stderr=io.StringIO()) == 0
-    assert out.getvalue().splitlines()[2].split()[bench.BASE_COLUMNS.index("cache")] == "stored"
+    assert models.run(args, stdout=out, stderr=io.StringIO()) == 0
+    assert out.getvalue().splitlines()[2].split()[models.BASE_COLUMNS.index("cache")] == "stored"
     assert not (tmp_path / "user").exists(), "--cold must leave the user's cache alone"
-    err = io.StringIO()
-    args = build_parser().parse_args(["bench", "--cold", "--cache-dir", str(tmp_path)])
-    assert bench.run(args, stdout=io.StringIO(), stderr=err) == 2
-    assert "exclude each other" in err.getvalue()
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", "--cold", "--cache-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--cache-dir: not allowed with argument --cold" in capsys.readouterr().err
 
 
 def test_cli_bench_regional_reports_the_repeated_blocks_compile_beside_the_whole_model(tmp_path):
@@ -373,12 +376,12 @@ def test_cli_bench_regional_reports_the_repeated_blocks_compile_beside_the_whole
     out = io.StringIO()
     args = build_parser().parse_args(["bench", "--model", "wan", "--iters", "1", "--warmup", "0", "--quiet",
                                       "--cache-dir", "off", "--regional", "--json", str(path)])
-    assert bench.run(args, stdout=out, stderr=io.StringIO()) == 0
+    assert models.run(args, stdout=out, stderr=io.StringIO()) == 0
     row = json.loads(path.read_text())["rows"][0]
-    assert all(row[c] is not None for c in bench.REGIONAL_COLUMNS), row
+    assert all(row[c] is not None for c in models.REGIONAL_COLUMNS), row
     # tiny Wan: one block class; outside the blocks only norm_out's modulation and the text embedder's GELU
     assert row["regional_graphs"] == 1 and row["regional_fused"] == row["fused"] - 2
-    assert row["fused"] == sum(row[f] for f in bench.FAMILIES)
+    assert row["fused"] == sum(row[f] for f in common.FAMILIES)
     assert row["regional_max_rel_err"] < 1e-5 and row["regional_compile_s"] > 0 and row["regional_ms"] > 0
     assert "reg_compile_s" in out.getvalue().splitlines()[0]
 
@@ -394,7 +397,7 @@ def test_bench_force_and_ablate_measure_each_gemm_rewrite(tmp_path):
                                       "off", "--json", str(path), "--quiet"])
     out = io.StringIO()
     try:
-        assert bench.run(args, stdout=out, stderr=io.StringIO()) == 0
+        assert models.run(args, stdout=out, stderr=io.StringIO()) == 0
     finally:
         families.set_fast("merge_projections", "cpu", False)
         families.set_fast("linear_gelu", "cpu", False)
@@ -409,5 +412,5 @@ def test_bench_force_and_ablate_measure_each_gemm_rewrite(tmp_path):
 def test_bench_force_refuses_a_family_without_a_kernel_on_the_device():
     args = build_parser().parse_args(["bench", "--force", "linear_gelu", "--device", "npu"])
     err = io.StringIO()
-    assert bench.run(args, stdout=io.StringIO(), stderr=err) == 2
+    assert models.run(args, stdout=io.StringIO(), stderr=err) == 2
     assert "declares no kernel for 'npu'" in err.getvalue()

@@ -309,12 +309,13 @@ def test_max_graphs_setting_is_validated():
 
 
 def test_bench_capture_columns(adapter):
-    from mindiesd import bench, zoo
+    from mindiesd import zoo
+    from mindiesd.benchmarks import common, models
 
-    row = bench.run_case(zoo.build("wan", "tiny"), iters=2, warmup=0, capture=True, progress=bench.QuietProgress())
+    row = models.run_case(zoo.build("wan", "tiny"), iters=2, warmup=0, capture=True, progress=common.QuietProgress())
     assert row["capture_first_s"] > 0 and row["capture_ms"] > 0 and row["capture_speedup"] > 0
     assert adapter.captures == 1 and adapter.replays >= 3
-    assert "captured_ms" in bench.format_table([row])
+    assert "captured_ms" in models.format_table([row])
 
 
 # ---------------------------------------------------------------------------------------------- what a capture owns

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_utils import assert_close, only, run_compiled
-from mindiesd.bench_ops import eager_rope, eager_rope_rotate_half
+from mindiesd.benchmarks.ops import eager_rope, eager_rope_rotate_half
 from mindiesd.compilation import MindieSDFallbackWarning
 from mindiesd.ops import _layout
 

@@ -41,8 +41,10 @@ import torch.nn.functional as F
 diffusers = pytest.importorskip("diffusers")
 
 from fusion_utils import FAMILIES, count_fused  # noqa: E402
-from mindiesd import bench, bench_distributed, zoo  # noqa: E402
-from mindiesd.bench_distributed import World, collectives_in, enable_context_parallel  # noqa: E402
+from mindiesd import zoo  # noqa: E402
+from mindiesd.benchmarks import common  # noqa: E402
+from mindiesd.benchmarks import distributed as bench_distributed  # noqa: E402
+from mindiesd.benchmarks.distributed import World, collectives_in, enable_context_parallel  # noqa: E402
 from mindiesd.compilation import (  # noqa: E402
     CompilationConfig,
     MindieSDBackend,
@@ -548,21 +550,24 @@ def _bench_args(*argv):
     return build_parser().parse_args(["bench", *argv])
 
 
-def test_bench_world_size_options_and_their_errors(monkeypatch):
+def test_bench_world_size_options_and_their_errors(monkeypatch, capsys):
     args = _bench_args("--model", "flux", "--world-size", "2")
     assert (args.world_size, args.cp) == (2, "ulysses")
-    assert _bench_args("--model", "flux").world_size is None
+    assert getattr(_bench_args("--model", "flux"), "world_size", None) is None
+    assert _bench_args("distributed", "--world-size", "3").world_size == 3
     with pytest.raises(SystemExit):
         _bench_args("--world-size", "1")
-    progress = bench.QuietProgress()
+    progress = common.QuietProgress()
     for argv, message in [
         (("--world-size", "2", "--cp", "ring"), "--cp ring cannot run on cpu"),
-        (("--world-size", "2", "--capture"), "--capture cannot be combined with --world-size"),
         (("--world-size", "2", "--model", "sd3"), "no context-parallel plan in diffusers, left out: sd3"),
     ]:
         err = io.StringIO()
         assert bench_distributed.run(_bench_args(*argv), io.StringIO(), err, progress) == 2
         assert message in err.getvalue()
+    with pytest.raises(SystemExit):
+        _bench_args("--world-size", "2", "--capture")
+    assert "unrecognized arguments: --capture" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     err = io.StringIO()
@@ -581,7 +586,7 @@ def test_summarize_takes_the_slowest_rank_per_iteration():
     def row(rank, eager, compiled):
         return {"rank": rank, "model": "flux", "size": "tiny", "dtype": "fp32", "cp": "ulysses", "threads": 1,
                 "compile_s": 1.0 + rank, "max_rel_err": 1e-7 * (rank + 1), "eager_rel_err": 0.0, "graphs": 1,
-                "fallbacks": 0, "collectives": {"all_to_all_single": 4}, **{f: 1 for f in bench.FAMILIES},
+                "fallbacks": 0, "collectives": {"all_to_all_single": 4}, **{f: 1 for f in common.FAMILIES},
                 "samples": {"eager": eager, "mindiesd": compiled}, "eager_ms": 0.0, "mindiesd_ms": 0.0}
 
     rows = bench_distributed.summarize([[row(0, [10, 30, 10], [5, 5, 9])], [row(1, [20, 10, 10], [6, 4, 4])]])

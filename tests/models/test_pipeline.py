@@ -1,4 +1,4 @@
-"""``mindiesd bench --pipeline``: whole diffusers pipelines (Flux, SD3, Wan) eager against compiled.
+"""``mindiesd bench pipeline``: whole diffusers pipelines (Flux, SD3, Wan) eager against compiled.
 
 What a user checks: the compiled pipeline runs fused (the fused ops the registry expects per forward), without a
 ``MindieSDFallbackWarning``, ends in the latents and the image eager ends in, and compiles nothing after the
@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from mindiesd import bench_pipeline, zoo  # noqa: E402
+from mindiesd import zoo  # noqa: E402
+from mindiesd.benchmarks import pipeline as bench_pipeline  # noqa: E402
 from mindiesd.__main__ import build_parser, main  # noqa: E402
 from mindiesd.families import SPEC_FAMILIES as FAMILIES  # noqa: E402
 from mindiesd.compilation import MindieSDFallbackWarning  # noqa: E402
@@ -172,8 +173,9 @@ def _run_cli(argv):
 
 
 def test_pipeline_options_parse():
-    args = build_parser().parse_args(["bench"])
-    assert (args.pipeline, args.steps, args.step_cache, args.plot) == (None, None, False, None)
+    assert getattr(build_parser().parse_args(["bench"]), "pipeline", None) is None
+    args = build_parser().parse_args(["bench", "pipeline", "flux"])
+    assert (args.pipeline, args.steps, args.step_cache, args.plot) == ("flux", None, False, None)
     assert args.cache_threshold == bench_pipeline.DEFAULT_CACHE_THRESHOLD
     args = build_parser().parse_args(["bench", "--pipeline", "wan", "--size", "mid", "--steps", "8",
                                       "--step-cache", "--cache-threshold", "0.2", "--plot", "steps.png"])

@@ -1,9 +1,10 @@
-"""``mindiesd bench``: compile models of the registry (``mindiesd.zoo``) with the MindieSD backend and measure them.
+"""``mindiesd bench model``: compile models of the registry (``mindiesd.zoo``) with the MindieSD backend and measure
+them.
 
 For each model the bench reports how many fused ops of each family the backend
 inserted, the numerical error against eager, the cold compile time and the
 steady-state latency of eager and compiled forwards (optionally also Inductor's).
-Eager and compiled calls are interleaved in one timing loop (``mindiesd.timing``, shared with
+Eager and compiled calls are interleaved in one timing loop (``benchmarks.timing``, shared with
 ``mindiesd bench ops``) and medians are reported, because CPU timings drift by tens of percent over a run.
 """
 
@@ -12,29 +13,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import io
-import json
 import os
-import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable, Iterator, Sequence, TextIO
 
 import torch
 import torch._dynamo
 
-from . import zoo
-from .families import FAMILIES as _FAMILIES
-from .families import GEMM_FAMILIES, set_fast
+from .. import zoo
+from ..families import GEMM_FAMILIES
+from .common import (
+    DEFAULT_ITERS, DEFAULT_WARMUP, DTYPE_NAMES, DTYPES, FAMILIES, USER_CACHE, Progress,
+    add_cache_options, add_model_option, add_run_options, add_timing_options, complain, environment, make_backend,
+    max_relative_error, resolve_cache_dir, select_models, session, write_json,
+)
+from .table import format_rows
 from .timing import interleaved_medians
 from .timing import synchronize as _synchronize
-
-FAMILIES = tuple(_FAMILIES)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-DEFAULT_ITERS = {"tiny": 20, "mid": 5}
-DEFAULT_WARMUP = {"tiny": 3, "mid": 1}
 
 BASE_COLUMNS = (
     "model",
@@ -66,119 +62,6 @@ ABLATE_COLUMNS = tuple(f"gain_{family}" for family in GEMM_FAMILIES)
 
 REGIONAL_COLUMNS = ("regional_graphs", "regional_fused", "regional_max_rel_err", "regional_compile_s",
                     "regional_ms", "regional_speedup")
-
-_HEADERS = {
-    "capture_first_s": "capture_first_s",
-    "capture_ms": "captured_ms",
-    "capture_speedup": "capt/eager",
-    "regional_graphs": "reg_graphs",
-    "regional_fused": "reg_fused",
-    "regional_max_rel_err": "reg_rel_err",
-    "regional_compile_s": "reg_compile_s",
-    "regional_ms": "regional_ms",
-    "regional_speedup": "reg/eager",
-    "adalayernorm": "adaln",
-    "fast_gelu": "gelu",
-    "merge_projections": "merged",
-    "linear_gelu": "lin_gelu",
-    "gain_merge_projections": "merge_gain",
-    "gain_linear_gelu": "lin_gelu_gain",
-    "fallbacks": "fallback",
-    "max_rel_err": "max_rel_err",
-    "compile_s": "compile_s",
-    "inductor_max_rel_err": "ind_rel_err",
-    "inductor_compile_s": "ind_compile_s",
-    "inductor_ms": "inductor_ms",
-    "compile_vs_inductor": "compile/ind",
-    "speed_vs_inductor": "speed/ind",
-}
-
-
-# ---------------------------------------------------------------- progress
-
-
-class Progress:
-    """Reports long steps on a stream: a live seconds ticker on a TTY, plain lines otherwise."""
-
-    def __init__(self, stream: TextIO | None = None, live: bool | None = None, interval: float = 1.0):
-        self.stream = stream if stream is not None else sys.stderr
-        if live is None:
-            isatty = getattr(self.stream, "isatty", None)
-            live = bool(isatty and isatty())
-        self.live = live
-        self.interval = interval
-
-    def note(self, message: str) -> None:
-        self.stream.write(message + "\n")
-        self.stream.flush()
-
-    @contextlib.contextmanager
-    def step(self, label: str) -> Iterator[None]:
-        """Announce ``label``, tick while it runs, and finish with its elapsed time."""
-        start = time.perf_counter()
-        stop = threading.Event()
-        ticker = None
-        if self.live:
-            self.stream.write(f"{label} ...")
-            self.stream.flush()
-
-            def tick() -> None:
-                while not stop.wait(self.interval):
-                    self.stream.write(f"\r{label} ... {time.perf_counter() - start:.0f} s")
-                    self.stream.flush()
-
-            ticker = threading.Thread(target=tick, name="mindiesd-bench-ticker", daemon=True)
-            ticker.start()
-        else:
-            self.note(f"{label} ...")
-        outcome = "done in"
-        try:
-            yield
-        except BaseException:
-            outcome = "failed after"
-            raise
-        finally:
-            stop.set()
-            if ticker is not None:
-                ticker.join()
-            elapsed = time.perf_counter() - start
-            if self.live:
-                self.stream.write(f"\r{label} ... {outcome} {elapsed:.1f} s\n")
-                self.stream.flush()
-            else:
-                self.note(f"  {outcome} {elapsed:.1f} s")
-
-
-class QuietProgress(Progress):
-    """A :class:`Progress` that reports nothing (for tests and library callers)."""
-
-    def __init__(self) -> None:
-        super().__init__(stream=io.StringIO(), live=False)
-
-    def note(self, message: str) -> None:
-        pass
-
-
-# ---------------------------------------------------------------- measuring
-
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    while isinstance(output, (tuple, list)):
-        output = output[0]
-    if hasattr(output, "sample"):
-        output = output.sample
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"model output has no leading tensor: {type(output).__name__}")
-    return output
-
-
-def max_relative_error(actual: Any, expected: Any) -> float:
-    """``max |actual - expected| / max |expected|`` over the first output tensor, in fp32."""
-    a = _first_tensor(actual).detach().float()
-    e = _first_tensor(expected).detach().float()
-    scale = e.abs().max().item()
-    diff = (a - e).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def _case_device(case: zoo.Case) -> torch.device:
@@ -215,19 +98,6 @@ def _timed_first_call(fn: Callable[[], Any], progress: Progress, label: str) -> 
         seconds = time.perf_counter() - start
     return out, seconds
 
-
-#: ``cache_dir`` argument meaning "whatever CompilationConfig.cache_dir says" (the user's persistent cache).
-USER_CACHE = "user"
-
-
-def _backend(cache_dir: Any = USER_CACHE, **settings: Any):
-    try:
-        from .compilation import CompilationConfig, MindieSDBackend
-    except ImportError as exc:
-        raise ImportError(f"the MindieSD backend could not be imported: {exc}") from exc
-    if cache_dir != USER_CACHE:
-        settings["cache_dir"] = cache_dir
-    return MindieSDBackend(CompilationConfig(**settings))
 
 
 def _cache_state(records: Sequence[Any]) -> str:
@@ -266,7 +136,7 @@ def fused_ops_run(fn: Callable[[], Any]) -> int:
     return sum(1 for event in prof.events() if event.name.startswith("mindiesd::"))
 
 
-def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, cache_dir: Any, progress: Progress,
+def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, backend: Any, progress: Progress,
                       tag: str, row: dict[str, Any]) -> Callable[[], Any] | None:
     """Compile a copy of ``model`` with diffusers' ``compile_repeated_blocks``; fill the regional columns."""
     classes = zoo.repeated_blocks(model)
@@ -275,7 +145,6 @@ def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, cach
         return None
     blocks_model = copy.deepcopy(model)
     blocks_model._repeated_blocks = list(classes)  # what the class declares, or its ModuleList's block class
-    backend = _backend(cache_dir)
     blocks_model.compile_repeated_blocks(backend=backend)
     out, row["regional_compile_s"] = _timed_first_call(
         lambda: blocks_model(**inputs), progress, f"compiling the repeated blocks of {tag} with mindiesd"
@@ -299,6 +168,7 @@ def run_case(
     cache_dir: Any = USER_CACHE,
     regional: bool = False,
     ablate: bool = False,
+    force: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -317,7 +187,8 @@ def run_case(
     a copy compiled with diffusers' ``compile_repeated_blocks``: its graphs, fused ops run per forward (beside
     ``fused``, the whole-model compile's), error, first-call seconds and steady ms. With ``ablate``, per GEMM
     rewrite that the compile made, a copy compiled with its switch off, timed in the same interleaved runs:
-    ``gain_<family>`` = its ms / the ms with every rewrite on.
+    ``gain_<family>`` = its ms / the ms with every rewrite on. ``force``: families every backend runs on the
+    device even where mindiesd declares them not faster there.
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -326,9 +197,13 @@ def run_case(
     if warmup < 0:
         raise ValueError(f"warmup must be non-negative, got {warmup}")
     progress = progress if progress is not None else Progress()
-    backend = backend if backend is not None else _backend(cache_dir)
     model, inputs = case.model, case.inputs
     device = _case_device(case)
+
+    def backend_with(**settings: Any) -> Any:
+        return make_backend(cache_dir, force=force, device=device, **settings)
+
+    backend = backend if backend is not None else backend_with()
     tag = f"{case.name}/{case.size}"
 
     row: dict[str, Any] = {
@@ -370,12 +245,12 @@ def run_case(
                     runners["inductor"] = lambda: inductor(**inputs)
             if capture:
                 row.update(dict.fromkeys(CAPTURE_COLUMNS))
-                from .compilation.device_graph import adapter_for
+                from ..compilation.device_graph import adapter_for
 
                 if adapter_for(device) is None:
                     progress.note(f"no device graph on {device.type}: capture columns left empty")
                 else:
-                    graphed = torch.compile(model, backend=_backend(cache_dir, aclgraph_with_compile=True))
+                    graphed = torch.compile(model, backend=backend_with(aclgraph_with_compile=True))
                     _, row["capture_first_s"] = _timed_first_call(
                         lambda: graphed(**inputs), progress, f"compiling and capturing {tag}"
                     )
@@ -384,13 +259,13 @@ def run_case(
                 row.update(dict.fromkeys(ABLATE_COLUMNS))
                 for family in GEMM_FAMILIES:
                     if row.get(family):
-                        without = torch.compile(model, backend=_backend(
-                            cache_dir, fusion_patterns={f"enable_{family}": False}))
+                        without = torch.compile(model, backend=backend_with(
+                            fusion_patterns={f"enable_{family}": False}))
                         _timed_first_call(lambda: without(**inputs), progress, f"compiling {tag} without {family}")
                         runners[f"no_{family}"] = lambda without=without: without(**inputs)
             if regional:
                 row.update(dict.fromkeys(REGIONAL_COLUMNS))
-                run_regional = _regional_variant(model, inputs, reference, cache_dir, progress, tag, row)
+                run_regional = _regional_variant(model, inputs, reference, backend_with(), progress, tag, row)
                 if run_regional is not None:
                     runners["regional"] = run_regional
             medians = _time(runners, iters, warmup, device, progress, tag)
@@ -422,27 +297,6 @@ def _time(runners, iters, warmup, device, progress: Progress, tag: str) -> dict[
         return interleaved_medians(runners, iters=iters, warmup=warmup, device=device)
 
 
-# ---------------------------------------------------------------- output
-
-
-def _format_value(column: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    if column in FAMILIES or column in ("graphs", "fallbacks", "iters", "fused", "regional_graphs", "regional_fused"):
-        return str(int(value))
-    if column.endswith("rel_err"):
-        return f"{value:.1e}"
-    if column in ("speedup", "speed_vs_inductor", "capture_speedup", "regional_speedup", *ABLATE_COLUMNS):
-        return f"{value:.2f}x"
-    if column == "compile_vs_inductor":
-        return f"{value:.3f}"
-    if column.endswith("_s"):
-        return f"{value:.2f}"
-    if column.endswith("_ms") or column == "capture_ms":
-        return f"{value:.2f}"
-    return str(value)
 
 
 def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -458,124 +312,18 @@ def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     """Rows as an aligned plain-text table, or as a Markdown table."""
-    columns = table_columns(rows)
-    headers = [_HEADERS.get(c, c) for c in columns]
-    cells = [[_format_value(c, row.get(c)) for c in columns] for row in rows]
-    return render_table(headers, cells, [c in ("model", "size", "dtype") for c in columns], markdown)
-
-
-def render_table(headers: Sequence[str], cells: Sequence[Sequence[str]], left: Sequence[bool],
-                 markdown: bool = False) -> str:
-    """Cells under headers, aligned (``left``: per column, text columns left, numbers right), or as Markdown."""
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        padded = [v.ljust(w) if l else v.rjust(w) for v, w, l in zip(values, widths, left)]
-        return ("| " + " | ".join(padded) + " |") if markdown else "  ".join(padded).rstrip()
-
-    out = [line(headers)]
-    if markdown:
-        out.append("| " + " | ".join("-" * w if l else "-" * (w - 1) + ":" for w, l in zip(widths, left)) + " |")
-    else:
-        out.append("  ".join("-" * w for w in widths))
-    out.extend(line(r) for r in cells)
-    return "\n".join(out)
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads, device."""
-    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    try:
-        import diffusers
-
-        info["diffusers"] = diffusers.__version__
-    except ImportError:
-        info["diffusers"] = None
-    return info
+    return format_rows(rows, table_columns(rows), ("model", "size", "dtype"), markdown=markdown)
 
 
 # ---------------------------------------------------------------- CLI
 
 
-def bounded(kind: Callable[[str], Any], low: float, *, above: bool = False,
-            reason: str = "") -> Callable[[str], Any]:
-    """An argparse ``type``: ``kind(text)``, at least ``low`` (``above``: more than ``low``), else a clear error."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value < low or (above and value == low):
-            bound = f"more than {low}" if above else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {bound}{f' ({reason})' if reason else ''}, got {value}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
-    return parse
-
-
-_positive_int = bounded(int, 1)
-_non_negative_int = bounded(int, 0)
-positive_float = bounded(float, 0, above=True)
-
-
-#: ``--model``: every registry name, and the groups ``core`` and ``all``.
-MODEL_CHOICES = (*zoo.MODELS, "core", "all")
-
-
-def select_models(choice: str, size: str, stderr: TextIO) -> tuple[str, ...]:
-    """The registry names ``--model choice`` stands for at ``size`` (an empty tuple, reported, when none fits).
-
-    ``core`` and ``all`` leave out, with a note on ``stderr``, the models without ``size`` and those the installed
-    diffusers lacks; a single model without ``size`` is an error.
-    """
-    if choice not in ("core", "all"):
-        if size not in zoo.entry(choice).sizes:
-            sizes = ", ".join(zoo.entry(choice).sizes)
-            stderr.write(f"mindiesd bench: {choice} has no size {size!r}; its sizes: {sizes}\n")
-            return ()
-        return (choice,)
-    group = "core" if choice == "core" else None
-    candidates = zoo.names(group=group)
-    without_size = [n for n in candidates if size not in zoo.entry(n).sizes]
-    unavailable = [n for n in candidates if n not in without_size and not zoo.available(n)]
-    if without_size:
-        stderr.write(f"mindiesd bench: no {size} size, left out: {', '.join(without_size)}\n")
-    if unavailable:
-        stderr.write(f"mindiesd bench: not in this diffusers (or no diffusers), left out: {', '.join(unavailable)}\n")
-    names = tuple(n for n in candidates if n not in without_size and n not in unavailable)
-    if not names:
-        stderr.write(f"mindiesd bench: no model of {choice!r} can be built at size {size!r}\n")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the ``bench`` options on ``parser``."""
-    parser.add_argument(
-        "--model",
-        choices=MODEL_CHOICES,
-        default="flux",
-        metavar="MODEL",
-        help=f"a model of the registry (mindiesd.zoo): {', '.join(zoo.MODELS)}; or 'core' "
-        f"({', '.join(zoo.names('core'))}) or 'all' (every registered model that has --size); default: flux",
-    )
-    parser.add_argument(
-        "--size",
-        choices=zoo.SIZES,
-        default="tiny",
-        help=f"model size (default: tiny; mid for {', '.join(zoo.names(size='mid'))})",
-    )
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model and input dtype (default: fp32)")
-    parser.add_argument(
-        "--iters",
-        type=_positive_int,
-        default=None,
-        help=f"timed forwards per variant (default: {DEFAULT_ITERS['tiny']} tiny, {DEFAULT_ITERS['mid']} mid)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=_non_negative_int,
-        default=None,
-        help=f"untimed forwards per variant first (default: {DEFAULT_WARMUP['tiny']} tiny, {DEFAULT_WARMUP['mid']} mid)",
-    )
+    """Register the options of ``bench model`` on ``parser``."""
+    add_model_option(parser)
+    add_run_options(parser)
+    add_timing_options(parser)
+    add_cache_options(parser)
     parser.add_argument(
         "--vs",
         choices=("inductor",),
@@ -589,18 +337,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --vs inductor: let Inductor and mindiesd reuse their on-disk caches (default: empty ones, so "
         "both compile times are cold)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        default=None,
-        help="the persistent compile cache to use ('off': none; default: CompilationConfig.cache_dir, i.e. "
-        "$MINDIESD_CACHE_DIR or ~/.cache/mindiesd): a second run in a new process loads the compiled graphs",
-    )
-    parser.add_argument(
-        "--cold",
-        action="store_true",
-        help="compile from an empty temporary cache (mindiesd's and Inductor's), so compile_s is a cold start",
     )
     parser.add_argument(
         "--regional",
@@ -624,54 +360,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--force",
         action="append",
         default=[],
-        choices=tuple(_FAMILIES),
+        choices=FAMILIES,
         metavar="FAMILY",
         help="run FAMILY on --device even where mindiesd declares it not faster there (the GEMM rewrites are off "
         "on CPU by default): to measure it; repeatable",
     )
-    parser.add_argument("--device", default="cpu", help="device to run on (default: cpu; e.g. cuda, npu)")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads before running")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
-    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    from . import bench_distributed, bench_pipeline
-
-    bench_pipeline.add_arguments(parser)
-    bench_distributed.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Execute a parsed ``bench`` command; returns the process exit status."""
-    stdout = stdout if stdout is not None else sys.stdout
-    stderr = stderr if stderr is not None else sys.stderr
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    progress = QuietProgress() if args.quiet else Progress(stderr)
-    if getattr(args, "pipeline", None):
-        from . import bench_pipeline
-
-        return bench_pipeline.run(args, stdout, stderr, progress)
-    if getattr(args, "world_size", None):
-        from . import bench_distributed
-
-        return bench_distributed.run(args, stdout, stderr, progress)
+    """Execute a parsed ``bench model`` command; returns the process exit status."""
+    stdout, stderr, progress = session(args, stdout, stderr)
     names = select_models(args.model, args.size, stderr)
     if not names:
         return 2
-    device_type = str(args.device).split(":")[0]
-    for name in getattr(args, "force", None) or []:
+    for family in args.force:
         try:
-            set_fast(name, device_type, True)
+            make_backend(None, force=(family,), device=args.device)
         except ValueError as exc:
-            stderr.write(f"mindiesd bench: --force {name}: {exc}\n")
+            complain(stderr, f"--force {family}: {exc}")
             return 2
     dtype = DTYPES[args.dtype]
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
-    if args.cold and args.cache_dir is not None:
-        stderr.write("mindiesd bench: --cold and --cache-dir exclude each other\n")
-        return 2
     with contextlib.ExitStack() as stack:
         cache_dir = resolve_cache_dir(args, stack)
         status = _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
@@ -680,17 +390,6 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     _print_results(args, rows, failures, stdout)
     return 1 if failures else 0
 
-
-def resolve_cache_dir(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
-    """The persistent cache the bench's backends use: an empty temporary folder (removed when ``stack`` closes)
-    with ``--cold``, the folder of ``--cache-dir`` (``off``: none), else the user's (``USER_CACHE``)."""
-    # compile/ind compares cold compiles: with a cold Inductor, mindiesd starts cold too unless told otherwise
-    vs_cold_inductor = "inductor" in (getattr(args, "vs", None) or []) and not getattr(args, "inductor_cache", False)
-    if args.cold or (vs_cold_inductor and args.cache_dir is None):
-        return stack.enter_context(tempfile.TemporaryDirectory(prefix="mindiesd-bench-cache-"))
-    if args.cache_dir is None:
-        return USER_CACHE
-    return None if args.cache_dir.strip().lower() in ("off", "none", "") else args.cache_dir
 
 
 def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr) -> int | None:
@@ -709,15 +408,16 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     capture=args.capture,
                     cache_dir=cache_dir,
                     regional=args.regional,
-                    ablate=getattr(args, "ablate", False),
+                    ablate=args.ablate,
+                    force=args.force,
                 )
             )
         except ImportError as exc:
-            stderr.write(f"mindiesd bench: {exc}\n")
+            complain(stderr, str(exc))
             return 2
         except Exception as exc:  # one failing model should not hide the others' results
             failures.append(name)
-            stderr.write(f"mindiesd bench: {name}/{args.size} failed: {type(exc).__name__}: {exc}\n")
+            complain(stderr, f"{name}/{args.size} failed: {type(exc).__name__}: {exc}")
         finally:
             case = None
     return None
@@ -746,6 +446,4 @@ def _print_results(args, rows, failures, stdout) -> None:
             )
         stdout.flush()
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"environment": env, "rows": rows, "failed": failures}, fh, indent=2)
-            fh.write("\n")
+        write_json(args.json, {"environment": env, "rows": rows, "failed": failures})

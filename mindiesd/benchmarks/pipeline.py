@@ -1,4 +1,4 @@
-"""``mindiesd bench --pipeline NAME``: a whole diffusers pipeline (Flux, SD3, Wan), eager against compiled.
+"""``mindiesd bench pipeline NAME``: a whole diffusers pipeline (Flux, SD3, Wan), eager against compiled.
 
 The pipeline (``FluxPipeline``, ``StableDiffusion3Pipeline`` or ``WanPipeline``) is assembled from small parts,
 so nothing is downloaded: the transformer of the model registry (``mindiesd.zoo``, tiny or mid, seeded random
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,11 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
 import torch
 import torch._dynamo
 
-from . import zoo
-from .bench import (
-    DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, _backend, bounded, environment, max_relative_error,
-    positive_float, render_table, resolve_cache_dir,
+from .. import zoo
+from .common import (
+    DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, add_cache_options, add_run_options, bounded, complain,
+    environment, make_backend, max_relative_error, positive_float, resolve_cache_dir, session, write_json,
 )
+from .table import format_rows
 from .timing import synchronize
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
     "run",
 ]
 
-#: ``--pipeline`` choices: registry names of the core models.
+#: ``bench pipeline`` choices: registry names of the core models.
 PIPELINES = ("flux", "sd3", "wan")
 #: Denoising steps per size when ``--steps`` is not given.
 DEFAULT_STEPS = {"tiny": 4, "mid": 8}
@@ -391,12 +391,6 @@ def _run(case: PipelineCase, steps: int, progress: Progress, label: str, backend
     return result
 
 
-def _default_backend() -> Any:
-    from .compilation import MindieSDBackend
-
-    return MindieSDBackend()
-
-
 def _compiled_run(case: PipelineCase, steps: int, progress: Progress, label: str,
                   backend_factory: Callable[[], Any], decisions: Optional[_CacheDecisions]) -> _Run:
     """``_run`` with ``pipe.transformer`` compiled (cold: Dynamo reset first), then a second call of the compiled
@@ -534,7 +528,7 @@ def run_pipeline_bench(
     with progress.step(f"building the {name}/{size} pipeline ({DTYPE_NAMES.get(dtype, dtype)})"):
         case = build_pipeline(name, size, dtype=dtype, device=device, seed=seed)
     try:
-        runs = _variants(case, steps, progress, step_cache, cache_threshold, backend_factory or _default_backend)
+        runs = _variants(case, steps, progress, step_cache, cache_threshold, backend_factory or make_backend)
     finally:
         torch._dynamo.reset()
     return [_row(case, variant, run, runs, steps) for variant, run in runs.items()]
@@ -570,9 +564,7 @@ def _cell(column: str, value: Any) -> str:
 def format_table(rows: Sequence[Dict[str, Any]], markdown: bool = False) -> str:
     """The rows as an aligned plain-text table, or as a Markdown table (``reused`` only where a row has it)."""
     columns = [c for c in _COLUMNS if c != "reused" or any(row.get("reused") is not None for row in rows)]
-    headers = [_HEADERS.get(c, c) for c in columns]
-    cells = [[_cell(c, row.get(c)) for c in columns] for row in rows]
-    return render_table(headers, cells, [c in _LEFT for c in columns], markdown)
+    return format_rows(rows, columns, _LEFT, headers=_HEADERS, cell=_cell, markdown=markdown)
 
 
 def plot_steps(rows: Sequence[Dict[str, Any]], path: str) -> None:
@@ -607,59 +599,42 @@ _steps_arg = bounded(int, 2, reason="the first step compiles")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--pipeline`` and its options on the ``bench`` parser."""
-    group = parser.add_argument_group(
-        "whole pipelines",
-        "--pipeline runs a diffusers pipeline (registry transformer, small VAE, no text encoders) eager and "
-        "compiled; it uses --size, --dtype, --device, --seed, --threads, --cache-dir, --cold, --json, --markdown "
-        "and --quiet",
-    )
-    group.add_argument(
-        "--pipeline",
+    """Register the options of ``bench pipeline`` on ``parser``."""
+    parser.add_argument(
+        "pipeline",
         choices=PIPELINES,
-        default=None,
-        help="bench the whole diffusers pipeline of this model (FluxPipeline, StableDiffusion3Pipeline, "
-        "WanPipeline) instead of the transformer alone",
+        metavar="PIPELINE",
+        help="the model whose whole diffusers pipeline runs: flux (FluxPipeline), sd3 (StableDiffusion3Pipeline) "
+        "or wan (WanPipeline)",
     )
-    group.add_argument(
+    add_run_options(parser)
+    add_cache_options(parser)
+    parser.add_argument(
         "--steps",
         type=_steps_arg,
         default=None,
         metavar="N",
         help=f"denoising steps per variant (default: {DEFAULT_STEPS['tiny']} tiny, {DEFAULT_STEPS['mid']} mid)",
     )
-    group.add_argument(
+    parser.add_argument(
         "--step-cache",
         action="store_true",
         help="also run both with diffusers' FirstBlockCache on the transformer (flux, wan; diffusers has none "
         "for SD3's transformer)",
     )
-    group.add_argument(
+    parser.add_argument(
         "--cache-threshold",
         type=positive_float,
         default=DEFAULT_CACHE_THRESHOLD,
         metavar="T",
         help=f"FirstBlockCache threshold with --step-cache (default: {DEFAULT_CACHE_THRESHOLD})",
     )
-    group.add_argument(
+    parser.add_argument(
         "--plot",
         metavar="PATH",
         default=None,
         help="also write a PNG of the ms of every step per variant (needs pip install 'mindiesd[plot]')",
     )
-
-
-def _ignored_options(args: argparse.Namespace) -> List[str]:
-    """The model-bench options that were given but do not apply to ``--pipeline``."""
-    given = {
-        "--vs": bool(getattr(args, "vs", None)),
-        "--capture": bool(getattr(args, "capture", False)),
-        "--iters": getattr(args, "iters", None) is not None,
-        "--warmup": getattr(args, "warmup", None) is not None,
-        "--inductor-cache": bool(getattr(args, "inductor_cache", False)),
-        "--regional": bool(getattr(args, "regional", False)),
-    }
-    return [option for option, present in given.items() if present]
 
 
 def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
@@ -680,21 +655,19 @@ def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, progress: Progress) -> int:
-    """Execute ``bench --pipeline``; returns the process exit status (2: unusable options or missing packages)."""
+def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
+    """Execute ``bench pipeline``; returns the process exit status (2: unusable options or missing packages)."""
+    stdout, stderr, progress = session(args, stdout, stderr)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            stderr.write(f"mindiesd bench: {_PLOT_HINT}\n")
+            complain(stderr, _PLOT_HINT)
             return 2
-    ignored = _ignored_options(args)
-    if ignored:
-        stderr.write(f"mindiesd bench: {', '.join(ignored)} do not apply to --pipeline, ignored\n")
     step_cache = args.step_cache
     try:
         if step_cache and (reason := step_cache_unsupported(args.pipeline)) is not None:
-            stderr.write(f"mindiesd bench: --step-cache left out for {args.pipeline}: {reason}\n")
+            complain(stderr, f"--step-cache left out for {args.pipeline}: {reason}")
             step_cache = False
         with contextlib.ExitStack() as stack:
             cache_dir = resolve_cache_dir(args, stack)
@@ -708,24 +681,22 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, progress: Prog
                 step_cache=step_cache,
                 cache_threshold=args.cache_threshold,
                 progress=progress,
-                backend_factory=lambda: _backend(cache_dir),
+                backend_factory=lambda: make_backend(cache_dir),
             )
     except ImportError as exc:
-        stderr.write(f"mindiesd bench: {exc}\n")
+        complain(stderr, str(exc))
         return 2
     except Exception as exc:
-        stderr.write(f"mindiesd bench: {args.pipeline}/{args.size} pipeline failed: {type(exc).__name__}: {exc}\n")
+        complain(stderr, f"{args.pipeline}/{args.size} pipeline failed: {type(exc).__name__}: {exc}")
         return 1
     env = environment()
     stdout.write(format_table(rows, markdown=args.markdown) + "\n\n" + _summary(rows, env) + "\n")
     stdout.flush()
     for row in rows:
         for reason in row.get("fallback_reasons", ()):
-            stderr.write(f"mindiesd bench: {row['variant']} ran a graph unfused: {reason}\n")
+            complain(stderr, f"{row['variant']} ran a graph unfused: {reason}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"environment": env, "rows": rows}, fh, indent=2)
-            fh.write("\n")
+        write_json(args.json, {"environment": env, "rows": rows})
     if args.plot:
         plot_steps(rows, args.plot)
     return 0

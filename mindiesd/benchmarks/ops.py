@@ -66,6 +66,7 @@ from typing import Any, Callable, List, Optional, TextIO
 import torch
 import torch.nn.functional as F
 
+from .common import DTYPES, positive_int
 from .timing import Medians, interleaved_medians, synchronize
 
 EPS = 1e-6
@@ -73,7 +74,6 @@ TUNABLES = (
     "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184:"
     "glibc.malloc.top_pad=268435456"
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OP_NAMES = ("rms_norm", "adalayernorm", "rope", "fast_gelu", "mul_add")
 WARMUP = 2  # untimed calls of every candidate before the first round
 
@@ -212,24 +212,17 @@ def check_agreement(case: Case) -> float:
 # -- CLI -----------------------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the ``bench ops`` options on ``parser``."""
+    """Register the options of ``bench ops`` on ``parser``."""
     parser.add_argument("--dtype", default=None, help="comma list of fp32, bf16, fp16 (default: fp32,bf16; "
                                                      "--quick: fp32)")
     parser.add_argument("--ops", default=",".join(OP_NAMES), help="comma list of ops (default: all five)")
-    parser.add_argument("--reps", type=_positive_int, default=20, help="interleaved calls per round (default: 20)")
-    parser.add_argument("--rounds", type=_positive_int, default=None,
+    parser.add_argument("--reps", type=positive_int, default=20, help="interleaved calls per round (default: 20)")
+    parser.add_argument("--rounds", type=positive_int, default=None,
                         help="timing rounds per row; the least disturbed one is reported (default: 3; --quick: 1)")
-    parser.add_argument("--max-rounds", type=_positive_int, default=None,
+    parser.add_argument("--max-rounds", type=positive_int, default=None,
                         help="more rounds while others load the CPU, shared machines (default: 12; --quick: 1)")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--no-inductor", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--variants", action="store_true",
                         help="also the other forms the passes match (adaLN with 1-D modulation, rope with general "
@@ -241,14 +234,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefault-mib", type=int, default=1024,
                         help="heap to grow and touch first (CPU, with GLIBC_TUNABLES); 0: none")
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu; e.g. cuda, npu)")
-    parser.add_argument("--calls-per-sample", type=_positive_int, default=None,
+    parser.add_argument("--calls-per-sample", type=positive_int, default=None,
                         help="consecutive calls per timed sample, one device sync each (default: 1 on CPU, 10 on "
                              "an accelerator)")
 
 
 def _device_line(device: torch.device) -> str:
     if device.type == "cpu":
-        from .ops import _cpp_kernels
+        from ..ops import _cpp_kernels
 
         return (f"CPU capability {torch.backends.cpu.get_cpu_capability()}; "
                 f"mindiesd CPU kernels: {_cpp_kernels.cpu_kernel_implementation()}")

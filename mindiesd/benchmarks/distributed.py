@@ -1,4 +1,4 @@
-"""``mindiesd bench --world-size N``: a registry model under diffusers' context parallelism, compiled with
+"""``mindiesd bench distributed --world-size N``: a registry model under diffusers' context parallelism, compiled with
 MindieSDBackend on every rank of a ``torch.distributed`` group.
 
 Each rank builds the same model (same seed) and first runs it eagerly without parallelism: that output is the
@@ -12,8 +12,8 @@ end-to-end figures (per iteration the slowest rank, then the median).
 
 Two ways to start it::
 
-    python -m mindiesd bench --model flux --world-size 2                      # spawns the 2 processes
-    torchrun --nproc-per-node 2 -m mindiesd bench --model flux --world-size 2  # one process per rank
+    python -m mindiesd bench distributed --model flux --world-size 2                      # spawns 2 processes
+    torchrun --nproc-per-node 2 -m mindiesd bench distributed --model flux --world-size 2  # one process per rank
 
 The process-group backend follows the device: gloo on CPU, nccl on CUDA, hccl on Ascend. :class:`World` (the
 spawned processes, reused for several jobs) and :func:`enable_context_parallel` are also what the tests use.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import queue
 import statistics
@@ -37,7 +36,14 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from .bench import bounded, positive_float
+from .. import zoo
+from .common import (
+    DEFAULT_ITERS, DEFAULT_WARMUP, DTYPES, FAMILIES, Progress, QuietProgress, add_model_option, add_run_options,
+    add_timing_options, bounded, complain, environment, make_backend, max_relative_error, positive_float,
+    select_models, session, write_json,
+)
+from .table import HEADERS, format_rows, format_value
+from .timing import synchronize
 
 __all__ = [
     "CP_MODES", "World", "DistributedJobError", "add_arguments", "run", "process_group_backend",
@@ -104,7 +110,7 @@ def _worker(rank: int, world_size: int, port: int, device_type: str, threads: Op
             timeout: float, inbox: Any, outbox: Any) -> None:
     """The loop of one spawned rank: join the group, then run each ``(fn, args)`` from ``inbox`` until None."""
     os.environ.update(env)
-    from .compilation import CompilationConfig
+    from ..compilation import CompilationConfig
 
     CompilationConfig.reset()  # the settings read from the environment (cache_dir) follow ``env``
     if threads is not None:
@@ -314,8 +320,6 @@ def _timed_samples(runners: Dict[str, Callable[[], Any]], iters: int, warmup: in
                    device: torch.device) -> Dict[str, List[float]]:
     """Milliseconds of each call of each runner, interleaved as in :mod:`mindiesd.timing` (the starting runner
     rotates); every sample starts at a barrier, so that sample ``i`` is the same step on every rank."""
-    from .timing import synchronize
-
     for _ in range(warmup):
         for call in runners.values():
             call()
@@ -340,8 +344,6 @@ def bench_rank(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
     (None: the rank), ``seed``, ``cp``, ``iters``, ``warmup`` and ``quiet``. One dict per model; a model that fails
     gives ``{"model", "rank", "error", "traceback"}``, the error naming the step that failed.
     """
-    from .bench import Progress, QuietProgress
-
     rank = dist.get_rank()
     local_rank = spec.get("local_rank")
     device = _set_device(spec["device"], rank if local_rank is None else local_rank)
@@ -350,10 +352,6 @@ def bench_rank(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _bench_model(name: str, spec: Dict[str, Any], device: torch.device, progress: Any) -> Dict[str, Any]:
-    from . import zoo
-    from .bench import DTYPES, FAMILIES, max_relative_error
-    from .compilation import CompilationConfig, MindieSDBackend
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tag = f"{name}/{spec['size']} {spec['cp']} x{world_size}"
     row: Dict[str, Any] = {"rank": rank, "model": name, "size": spec["size"], "dtype": spec["dtype"],
@@ -373,7 +371,7 @@ def _bench_model(name: str, spec: Dict[str, Any], device: torch.device, progress
             enable_context_parallel(model, spec["cp"], world_size, device.type)
             row["eager_rel_err"] = max_relative_error(model(**inputs), reference)
             step = "the compiled context-parallel run"
-            backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
+            backend = make_backend(None, keep_graphs=True)
             compiled = torch.compile(model, backend=backend)
             dist.barrier()
             with progress.step(f"{tag}: compiling with mindiesd on every rank"):
@@ -408,8 +406,6 @@ def summarize(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, An
     """The rows of every rank, model by model, each model followed by its end-to-end row (``rank`` = ``all``):
     per timed iteration the slowest rank, then the median; the largest compile time and error; fused and
     collective counts where every rank has the same (else None)."""
-    from .bench import FAMILIES
-
     rows: List[Dict[str, Any]] = []
     for model_rows in zip(*per_rank):
         if any("error" in r for r in model_rows):
@@ -435,26 +431,20 @@ def summarize(per_rank: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, An
 
 def format_table(rows: Sequence[Dict[str, Any]], markdown: bool = False) -> str:
     """The rows (without failed ones) as an aligned plain-text table, or as a Markdown table."""
-    from .bench import _HEADERS, FAMILIES, _format_value, render_table
-
     columns = ("model", "size", "dtype", "cp", "rank", *FAMILIES, "collectives", "fallbacks", "eager_rel_err",
                "max_rel_err", "compile_s", "eager_ms", "mindiesd_ms", "speedup")
-    headers = [{"eager_rel_err": "cp_eager_err", **_HEADERS}.get(c, c) for c in columns]
-    left = [c in ("model", "size", "dtype", "cp", "rank", "collectives") for c in columns]
+    left = ("model", "size", "dtype", "cp", "rank", "collectives")
 
-    def cell(row: Dict[str, Any], column: str) -> str:
-        value = row.get(column)
+    def cell(column: str, value: Any) -> str:
         if column == "collectives" and value is not None:
             return _collectives_text(value)
-        return _format_value(column, str(value) if column == "rank" else value)
+        return format_value(column, str(value) if column == "rank" else value)
 
-    cells = [[cell(row, c) for c in columns] for row in rows if "error" not in row]
-    return render_table(headers, cells, left, markdown)
+    return format_rows([row for row in rows if "error" not in row], columns, left,
+                       headers={**HEADERS, "eager_rel_err": "cp_eager_err"}, cell=cell, markdown=markdown)
 
 
 def _legend(rows: Sequence[Dict[str, Any]], world_size: int, backend: str) -> str:
-    from .bench import environment
-
     env = environment()
     threads = sorted({row["threads"] for row in rows if "threads" in row})
     iters = sorted({len(row["samples"]["eager"]) for row in rows if "samples" in row})
@@ -479,7 +469,7 @@ def _report(per_rank: Sequence[Sequence[Dict[str, Any]]], args: argparse.Namespa
     shown = set()
     for row in flat:
         if "error" in row:
-            stderr.write(f"mindiesd bench: {row['model']} failed on rank {row['rank']}: {row['error']}\n")
+            complain(stderr, f"{row['model']} failed on rank {row['rank']}: {row['error']}")
             if row["model"] not in shown:  # the ranks run the same code: one traceback per model
                 shown.add(row["model"])
                 stderr.write(row["traceback"])
@@ -488,14 +478,9 @@ def _report(per_rank: Sequence[Sequence[Dict[str, Any]]], args: argparse.Namespa
         stdout.write(format_table(rows, markdown=args.markdown) + "\n\n" + _legend(flat, world_size, backend) + "\n")
         stdout.flush()
     if args.json:
-        from .bench import environment
-
         env = {**environment(), "world_size": world_size, "process_group": backend, "cp": args.cp,
                "threads": sorted({row["threads"] for row in flat if "threads" in row})}  # per rank
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"environment": env, "rows": [r for r in rows if "error" not in r], "failed": failed}, fh,
-                      indent=2)
-            fh.write("\n")
+        write_json(args.json, {"environment": env, "rows": [r for r in rows if "error" not in r], "failed": failed})
     return 1 if failed else 0
 
 
@@ -506,63 +491,43 @@ _world_size_arg = bounded(int, 2, reason="context parallelism needs 2 ranks or m
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--world-size`` and its options on the ``bench`` parser."""
-    group = parser.add_argument_group(
-        "context parallelism",
-        "--world-size N runs the model on N ranks under diffusers' context parallelism (gloo on CPU, nccl on "
-        "CUDA, hccl on Ascend): spawned here, or one rank per process under torchrun (RANK and WORLD_SIZE set); "
-        "it uses --model, --size, --dtype, --device, --iters, --warmup, --seed, --threads (per rank; default on "
-        "CPU: the cores shared out), --json, --markdown and --quiet, and compiles without the persistent cache",
-    )
-    group.add_argument("--world-size", type=_world_size_arg, default=None, metavar="N",
-                       help="ranks of the context-parallel group (at least 2)")
-    group.add_argument("--cp", choices=CP_MODES, default="ulysses",
-                       help="context-parallel attention: ulysses (all-to-all; default) or ring (all-gather of K/V; "
-                       "needs --device cuda and bf16/fp16)")
-    group.add_argument("--dist-timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="S",
-                       help=f"seconds the run (and any collective) may take (default: {DEFAULT_TIMEOUT:.0f})")
-
-
-def _unusable_options(args: argparse.Namespace) -> List[str]:
-    given = {
-        "--vs": bool(getattr(args, "vs", None)),
-        "--capture": bool(getattr(args, "capture", False)),
-        "--cache-dir": getattr(args, "cache_dir", None) is not None,
-        "--inductor-cache": bool(getattr(args, "inductor_cache", False)),
-    }
-    return [option for option, present in given.items() if present]
+    """Register the options of ``bench distributed`` on ``parser``."""
+    parser.add_argument("--world-size", type=_world_size_arg, default=2, metavar="N",
+                        help="ranks of the context-parallel group (at least 2; default: 2)")
+    add_model_option(parser)
+    add_run_options(parser)
+    add_timing_options(parser)
+    parser.add_argument("--cp", choices=CP_MODES, default="ulysses",
+                        help="context-parallel attention: ulysses (all-to-all; default) or ring (all-gather of K/V; "
+                        "needs --device cuda and bf16/fp16)")
+    parser.add_argument("--dist-timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="S",
+                        help=f"seconds the run (and any collective) may take (default: {DEFAULT_TIMEOUT:.0f})")
 
 
 def _cp_models(args: argparse.Namespace, stderr: TextIO) -> List[str]:
     """The models of ``--model`` whose diffusers class has a context-parallel plan (the others noted on stderr)."""
     import diffusers
 
-    from . import zoo
-    from .bench import select_models
-
     names = select_models(args.model, args.size, stderr)
     planned = [n for n in names if getattr(getattr(diffusers, zoo.entry(n).cls, None), "_cp_plan", None)]
     left_out = [n for n in names if n not in planned]
     if left_out:
-        stderr.write(f"mindiesd bench: no context-parallel plan in diffusers, left out: {', '.join(left_out)}\n")
+        complain(stderr, f"no context-parallel plan in diffusers, left out: {', '.join(left_out)}")
     return planned
 
 
-def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, progress: Any) -> int:
-    """Execute ``bench --world-size N``; returns the exit status (2: unusable options or environment)."""
-    from .bench import DEFAULT_ITERS, DEFAULT_WARMUP, DTYPES
-
-    unusable = _unusable_options(args)
-    if unusable:
-        stderr.write(f"mindiesd bench: {', '.join(unusable)} cannot be combined with --world-size\n")
-        return 2
+def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
+        progress: Optional[Progress] = None) -> int:
+    """Execute ``bench distributed``; returns the exit status (2: unusable options or environment)."""
+    stdout, stderr, own_progress = session(args, stdout, stderr)
+    progress = progress if progress is not None else own_progress
     device_type = torch.device(args.device).type
     try:
         backend = process_group_backend(device_type)
         attention_backend_for(args.cp, device_type, DTYPES[args.dtype])
         models = _cp_models(args, stderr)
     except (ValueError, ImportError) as exc:
-        stderr.write(f"mindiesd bench: {exc}\n")
+        complain(stderr, str(exc))
         return 2
     if not models:
         return 2
@@ -584,7 +549,7 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, progress: Any)
     try:
         per_rank = world.run(bench_rank, spec)
     except DistributedJobError as exc:
-        stderr.write(f"mindiesd bench: {exc}\n")
+        complain(stderr, str(exc))
         return 1
     finally:
         world.close()
@@ -596,8 +561,8 @@ def _run_launched(launched: Tuple[int, int, int, int], spec: Dict[str, Any], arg
     """This process is one rank of a launcher's group (torchrun): join it, bench, and print on rank 0."""
     rank, world_size, local_rank, local_world_size = launched
     if world_size != args.world_size:
-        stderr.write(f"mindiesd bench: --world-size {args.world_size}, but the launcher started {world_size} "
-                     "processes (WORLD_SIZE)\n")
+        complain(stderr, f"--world-size {args.world_size}, but the launcher started {world_size} processes "
+                         "(WORLD_SIZE)")
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -1,0 +1,294 @@
+"""The floor every bench mode stands on: dtype and family tables, progress lines, the backend the benches compile
+with, the persistent-cache choice, the environment, model selection and the options the modes share."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+import torch
+
+from .. import zoo
+from ..families import FAMILIES as _FAMILIES
+from ..families import set_fast
+
+FAMILIES = tuple(_FAMILIES)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_ITERS = {"tiny": 20, "mid": 5}
+DEFAULT_WARMUP = {"tiny": 3, "mid": 1}
+
+
+def complain(stderr: TextIO, message: str) -> None:
+    """Write ``message`` on ``stderr`` as the bench's error or note line."""
+    stderr.write(f"mindiesd bench: {message}\n")
+
+
+class Progress:
+    """Reports long steps on a stream: a live seconds ticker on a TTY, plain lines otherwise."""
+
+    def __init__(self, stream: TextIO | None = None, live: bool | None = None, interval: float = 1.0):
+        self.stream = stream if stream is not None else sys.stderr
+        if live is None:
+            isatty = getattr(self.stream, "isatty", None)
+            live = bool(isatty and isatty())
+        self.live = live
+        self.interval = interval
+
+    def note(self, message: str) -> None:
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
+    @contextlib.contextmanager
+    def step(self, label: str) -> Iterator[None]:
+        """Announce ``label``, tick while it runs, and finish with its elapsed time."""
+        start = time.perf_counter()
+        stop = threading.Event()
+        ticker = None
+        if self.live:
+            self.stream.write(f"{label} ...")
+            self.stream.flush()
+
+            def tick() -> None:
+                while not stop.wait(self.interval):
+                    self.stream.write(f"\r{label} ... {time.perf_counter() - start:.0f} s")
+                    self.stream.flush()
+
+            ticker = threading.Thread(target=tick, name="mindiesd-bench-ticker", daemon=True)
+            ticker.start()
+        else:
+            self.note(f"{label} ...")
+        outcome = "done in"
+        try:
+            yield
+        except BaseException:
+            outcome = "failed after"
+            raise
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            elapsed = time.perf_counter() - start
+            if self.live:
+                self.stream.write(f"\r{label} ... {outcome} {elapsed:.1f} s\n")
+                self.stream.flush()
+            else:
+                self.note(f"  {outcome} {elapsed:.1f} s")
+
+
+class QuietProgress(Progress):
+    """A :class:`Progress` that reports nothing (for tests and library callers)."""
+
+    def __init__(self) -> None:
+        super().__init__(stream=io.StringIO(), live=False)
+
+    def note(self, message: str) -> None:
+        pass
+
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    if hasattr(output, "sample"):
+        output = output.sample
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"model output has no leading tensor: {type(output).__name__}")
+    return output
+
+
+def max_relative_error(actual: Any, expected: Any) -> float:
+    """``max |actual - expected| / max |expected|`` over the first output tensor, in fp32."""
+    a = _first_tensor(actual).detach().float()
+    e = _first_tensor(expected).detach().float()
+    scale = e.abs().max().item()
+    diff = (a - e).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+
+def session(args: argparse.Namespace, stdout: TextIO | None, stderr: TextIO | None) -> tuple[TextIO, TextIO, Progress]:
+    """The output streams of a parsed bench command (default: the process's) and its progress reporter (quiet
+    with ``--quiet``); applies ``--threads``."""
+    stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return stdout, stderr, QuietProgress() if args.quiet else Progress(stderr)
+
+
+#: ``cache_dir`` argument meaning "whatever CompilationConfig.cache_dir says" (the user's persistent cache).
+USER_CACHE = "user"
+
+
+def make_backend(cache_dir: Any = USER_CACHE, *, force: Sequence[str] = (), device: Any = "cpu",
+                 keep_graphs: bool = False, **settings: Any):
+    """A ``MindieSDBackend`` with ``settings`` and the persistent cache ``cache_dir`` (``keep_graphs``: it keeps
+    the fused graphs); the families of ``force`` run on ``device`` even where mindiesd declares them not faster
+    there (ValueError where no kernel exists)."""
+    try:
+        from ..compilation import CompilationConfig, MindieSDBackend
+    except ImportError as exc:
+        raise ImportError(f"the MindieSD backend could not be imported: {exc}") from exc
+    for family in force:
+        set_fast(family, str(device).split(":")[0], True)
+    if cache_dir != USER_CACHE:
+        settings["cache_dir"] = cache_dir
+    return MindieSDBackend(CompilationConfig(**settings), keep_graphs=keep_graphs)
+
+
+def resolve_cache_dir(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    """The persistent cache the bench's backends use: an empty temporary folder (removed when ``stack`` closes)
+    with ``--cold``, the folder of ``--cache-dir`` (``off``: none), else the user's (``USER_CACHE``)."""
+    # compile/ind compares cold compiles: with a cold Inductor, mindiesd starts cold too unless told otherwise
+    vs_cold_inductor = "inductor" in (getattr(args, "vs", None) or []) and not getattr(args, "inductor_cache", False)
+    if args.cold or (vs_cold_inductor and args.cache_dir is None):
+        return stack.enter_context(tempfile.TemporaryDirectory(prefix="mindiesd-bench-cache-"))
+    if args.cache_dir is None:
+        return USER_CACHE
+    return None if args.cache_dir.strip().lower() in ("off", "none", "") else args.cache_dir
+
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, device."""
+    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        import diffusers
+
+        info["diffusers"] = diffusers.__version__
+    except ImportError:
+        info["diffusers"] = None
+    return info
+
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """``payload`` as indented JSON in ``path``."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=2)
+        fh.write("\n")
+
+
+# ---------------------------------------------------------------- options
+
+
+def bounded(kind: Callable[[str], Any], low: float, *, above: bool = False,
+            reason: str = "") -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)``, at least ``low`` (``above``: more than ``low``), else a clear error."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < low or (above and value == low):
+            bound = f"more than {low}" if above else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{f' ({reason})' if reason else ''}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+
+positive_int = bounded(int, 1)
+non_negative_int = bounded(int, 0)
+positive_float = bounded(float, 0, above=True)
+
+
+#: ``--model``: every registry name, and the groups ``core`` and ``all``.
+MODEL_CHOICES = (*zoo.MODELS, "core", "all")
+
+
+def select_models(choice: str, size: str, stderr: TextIO) -> tuple[str, ...]:
+    """The registry names ``--model choice`` stands for at ``size`` (an empty tuple, reported, when none fits).
+
+    ``core`` and ``all`` leave out, with a note on ``stderr``, the models without ``size`` and those the installed
+    diffusers lacks; a single model without ``size`` is an error.
+    """
+    if choice not in ("core", "all"):
+        if size not in zoo.entry(choice).sizes:
+            sizes = ", ".join(zoo.entry(choice).sizes)
+            stderr.write(f"mindiesd bench: {choice} has no size {size!r}; its sizes: {sizes}\n")
+            return ()
+        return (choice,)
+    group = "core" if choice == "core" else None
+    candidates = zoo.names(group=group)
+    without_size = [n for n in candidates if size not in zoo.entry(n).sizes]
+    unavailable = [n for n in candidates if n not in without_size and not zoo.available(n)]
+    if without_size:
+        stderr.write(f"mindiesd bench: no {size} size, left out: {', '.join(without_size)}\n")
+    if unavailable:
+        stderr.write(f"mindiesd bench: not in this diffusers (or no diffusers), left out: {', '.join(unavailable)}\n")
+    names = tuple(n for n in candidates if n not in without_size and n not in unavailable)
+    if not names:
+        stderr.write(f"mindiesd bench: no model of {choice!r} can be built at size {size!r}\n")
+    return names
+
+
+
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """``--model``: a registry name or a group of them."""
+    parser.add_argument(
+        "--model",
+        choices=MODEL_CHOICES,
+        default="flux",
+        metavar="MODEL",
+        help=f"a model of the registry (mindiesd.zoo): {', '.join(zoo.MODELS)}; or 'core' "
+        f"({', '.join(zoo.names('core'))}) or 'all' (every registered model that has --size); default: flux",
+    )
+
+
+def add_timing_options(parser: argparse.ArgumentParser) -> None:
+    """``--iters`` and ``--warmup``: the interleaved timing of eager and compiled forwards."""
+    parser.add_argument(
+        "--iters",
+        type=positive_int,
+        default=None,
+        help=f"timed forwards per variant (default: {DEFAULT_ITERS['tiny']} tiny, {DEFAULT_ITERS['mid']} mid)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=None,
+        help=f"untimed forwards per variant first (default: {DEFAULT_WARMUP['tiny']} tiny, {DEFAULT_WARMUP['mid']} mid)",
+    )
+
+
+def add_cache_options(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir`` and ``--cold``: which persistent compile cache the compiles use (exclusive)."""
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="the persistent compile cache to use ('off': none; default: CompilationConfig.cache_dir, i.e. "
+        "$MINDIESD_CACHE_DIR or ~/.cache/mindiesd): a second run in a new process loads the compiled graphs",
+    )
+    choice.add_argument(
+        "--cold",
+        action="store_true",
+        help="compile from an empty temporary cache (mindiesd's and Inductor's), so compile_s is a cold start",
+    )
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every model and pipeline mode: size, dtype, device, threads, seed and the output."""
+    parser.add_argument(
+        "--size",
+        choices=zoo.SIZES,
+        default="tiny",
+        help=f"model size (default: tiny; mid for {', '.join(zoo.names(size='mid'))})",
+    )
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model and input dtype (default: fp32)")
+    parser.add_argument("--device", default="cpu", help="device to run on (default: cpu; e.g. cuda, npu)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
