@@ -15,12 +15,12 @@ DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 
 STEPS=(
-  "tests|120|python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_triton_kernels.py tests/test_layout.py tests/test_gemm.py"
-  "flux_tiny_capture|60|python -m mindiesd bench --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
-  "flux_tiny_inductor|90|python -m mindiesd bench --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
-  "flux_mid_capture|90|python -m mindiesd bench --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
-  "flux_mid_bf16_capture|90|python -m mindiesd bench --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
-  "flux_mid_bf16_gemm|100|python -m mindiesd bench --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
+  "tests|120|python -m pytest -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py"
+  "flux_tiny_capture|60|python -m mindiesd bench model --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
+  "flux_tiny_inductor|90|python -m mindiesd bench model --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
+  "flux_mid_capture|90|python -m mindiesd bench model --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
+  "flux_mid_bf16_capture|90|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
+  "flux_mid_bf16_gemm|100|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
   "ops_cuda|150|python -m mindiesd bench ops --device cuda --markdown"
 )
 
