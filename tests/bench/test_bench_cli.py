@@ -414,3 +414,57 @@ def test_bench_force_refuses_a_family_without_a_kernel_on_the_device():
     err = io.StringIO()
     assert models.run(args, stdout=io.StringIO(), stderr=err) == 2
     assert "declares no kernel for 'npu'" in err.getvalue()
+
+
+@pytest.mark.parametrize("argv, mode, names", [
+    (["bench"], "model", {"model": "flux"}),
+    (["bench", "--model", "all"], "model", {"model": "all"}),
+    (["bench", "--model", "flux", "--size", "mid", "--vs", "inductor"], "model", {"size": "mid", "vs": ["inductor"]}),
+    (["bench", "--pipeline", "wan", "--steps", "3"], "pipeline", {"pipeline": "wan", "steps": 3}),
+    (["bench", "--size", "mid", "--pipeline=sd3"], "pipeline", {"pipeline": "sd3", "size": "mid"}),
+    (["bench", "--model", "flux", "--world-size", "2"], "distributed", {"world_size": 2, "model": "flux"}),
+    (["bench", "ops", "--quick"], "ops", {"quick": True}),
+])
+def test_the_earlier_command_lines_name_their_mode(argv, mode, names):
+    from mindiesd.benchmarks import cli
+
+    args = build_parser().parse_args(argv)
+    assert args.handler is cli.MODES[mode][0].run and args.bench_command == mode
+    assert {name: getattr(args, name) for name in names} == names
+
+
+@pytest.mark.parametrize("argv, unknown", [
+    (["bench", "ops", "--model", "flux"], "--model"),
+    (["bench", "pipeline", "flux", "--vs", "inductor"], "--vs"),
+    (["bench", "distributed", "--cache-dir", "off"], "--cache-dir"),
+    (["bench", "model", "--steps", "3"], "--steps"),
+])
+def test_each_mode_refuses_the_options_of_the_others(argv, unknown, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {unknown}" in capsys.readouterr().err
+
+
+def test_the_product_never_imports_the_benchmarks_and_the_modes_import_down_only():
+    import ast
+    from pathlib import Path
+
+    import mindiesd
+
+    package = Path(mindiesd.__file__).parent
+
+    def imports(path, level=None):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and level in (None, node.level):
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.Import) and level is None:
+                found |= {alias.name for alias in node.names}
+        return found
+
+    for path in [*package.glob("compilation/**/*.py"), *package.glob("ops/**/*.py")]:
+        assert not any("benchmarks" in name for name in imports(path)), path
+    floors = {"cli": 3, "models": 2, "ops": 2, "pipeline": 2, "distributed": 2, "table": 1, "common": 0, "timing": 0}
+    for name, floor in floors.items():
+        below = imports(package / "benchmarks" / f"{name}.py", level=1)
+        assert below <= set(floors) and all(floors[module] < floor for module in below), (name, below)
