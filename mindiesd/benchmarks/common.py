@@ -214,7 +214,7 @@ def select_models(choice: str, size: str, stderr: TextIO) -> tuple[str, ...]:
     if choice not in ("core", "all"):
         if size not in zoo.entry(choice).sizes:
             sizes = ", ".join(zoo.entry(choice).sizes)
-            stderr.write(f"mindiesd bench: {choice} has no size {size!r}; its sizes: {sizes}\n")
+            complain(stderr, f"{choice} has no size {size!r}; its sizes: {sizes}")
             return ()
         return (choice,)
     group = "core" if choice == "core" else None
@@ -222,12 +222,12 @@ def select_models(choice: str, size: str, stderr: TextIO) -> tuple[str, ...]:
     without_size = [n for n in candidates if size not in zoo.entry(n).sizes]
     unavailable = [n for n in candidates if n not in without_size and not zoo.available(n)]
     if without_size:
-        stderr.write(f"mindiesd bench: no {size} size, left out: {', '.join(without_size)}\n")
+        complain(stderr, f"no {size} size, left out: {', '.join(without_size)}")
     if unavailable:
-        stderr.write(f"mindiesd bench: not in this diffusers (or no diffusers), left out: {', '.join(unavailable)}\n")
+        complain(stderr, f"not in this diffusers (or no diffusers), left out: {', '.join(unavailable)}")
     names = tuple(n for n in candidates if n not in without_size and n not in unavailable)
     if not names:
-        stderr.write(f"mindiesd bench: no model of {choice!r} can be built at size {size!r}\n")
+        complain(stderr, f"no model of {choice!r} can be built at size {size!r}")
     return names
 
 
@@ -256,7 +256,8 @@ def add_timing_options(parser: argparse.ArgumentParser) -> None:
         "--warmup",
         type=non_negative_int,
         default=None,
-        help=f"untimed forwards per variant first (default: {DEFAULT_WARMUP['tiny']} tiny, {DEFAULT_WARMUP['mid']} mid)",
+        help=f"untimed forwards per variant first (default: {DEFAULT_WARMUP['tiny']} tiny, "
+        f"{DEFAULT_WARMUP['mid']} mid)",
     )
 
 

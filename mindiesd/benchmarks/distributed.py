@@ -318,8 +318,8 @@ def _collectives_text(counts: Dict[str, int]) -> str:
 
 def _timed_samples(runners: Dict[str, Callable[[], Any]], iters: int, warmup: int,
                    device: torch.device) -> Dict[str, List[float]]:
-    """Milliseconds of each call of each runner, interleaved as in :mod:`mindiesd.timing` (the starting runner
-    rotates); every sample starts at a barrier, so that sample ``i`` is the same step on every rank."""
+    """Milliseconds of each call of each runner, interleaved as in :mod:`mindiesd.benchmarks.timing` (the starting
+    runner rotates); every sample starts at a barrier, so that sample ``i`` is the same step on every rank."""
     for _ in range(warmup):
         for call in runners.values():
             call()

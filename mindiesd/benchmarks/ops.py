@@ -13,7 +13,7 @@ value per pair), half-rotated rope (``rotate_half``), fast_gelu against the writ
 with y as large as x.
 
 Columns (milliseconds; per round, the median of ``--reps`` interleaved calls
-of all candidates, in one process, timed by ``mindiesd.timing``, the loop the
+of all candidates, in one process, timed by ``benchmarks.timing``, the loop the
 model bench uses too).  Of ``--rounds`` rounds (more, up to ``--max-rounds``,
 while other processes keep the CPU busy) the round during which other
 processes used the least CPU is reported; "other load" is that use in cores
