@@ -10,7 +10,8 @@ compiler or ninja, a failed build: one warning names the cause) or disabled:
 * ``MINDIESD_CPP_CACHE``: cache folder (default ``~/.cache/mindiesd/cpp``).
 * ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``_cpu.py``.
 
-:func:`install` (run at import) registers the wrappers as the CPU kernels of
+An op gets a C++ kernel with one :func:`native` line here and its ``.cpp`` file in ``_cpp/`` (the build
+compiles every ``.cpp`` there). :func:`install` (run at import) registers the wrappers as the CPU kernels of
 the ops; nothing is built until one of them runs.
 """
 
@@ -22,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..families import native_kernels
-from . import _cpp_build, _cpu, _library
+from . import _cpp_build, _cpu, registry
 from ._cpp_build import (  # noqa: F401  (the build's public names, as before the split)
     CACHE_ENV,
     ENABLE_ENV,
@@ -37,29 +37,32 @@ from ._cpp_build import (  # noqa: F401  (the build's public names, as before th
     enabled,
     extension,
 )
-from ._rules import adalayernorm_rules, rms_norm_rules, rope_rules
+from .defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
 
-__all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install"]
+__all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
-_FALLBACK: dict[str, Callable[..., torch.Tensor]] = dict(_cpu.KERNELS)
+#: Op name -> C++ kernel wrapper.
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def _native(
-    op: str,
-    rules: Callable[..., tuple[torch.dtype, torch.dtype]] | None = None,
+def native(
+    op: registry.OpDef,
+    sample: Callable[..., tuple],
     fallible: tuple[type[BaseException], ...] = (),
 ) -> Callable[..., torch.Tensor]:
-    """The CPU kernel of ``op``: the C++ entry point of that name, else the composition kernel.
+    """The CPU kernel of ``op``: the C++ entry point of that name, else the composition kernel of ``_cpu``.
 
-    The wrapper has the composition kernel's signature.  With ``rules`` (the op's validation rule, called
-    with the tensor arguments and ``out_dtype``: all arguments but the scalar before ``out_dtype``) the
-    output dtype is resolved first, as the entry point takes it resolved.  The entry point returns None for
-    forms it does not cover, and raises one of ``fallible`` where the composition kernel explains the
-    failure better; both run the composition kernel instead.
+    The wrapper has the composition kernel's signature.  When the op takes an ``out_dtype`` (last), the
+    op's checks (called with all arguments but the scalar before ``out_dtype``) resolve it first, as the
+    entry point takes it resolved.  The entry point returns None for forms it does not cover, and raises
+    one of ``fallible`` where the composition kernel explains the failure better; both run the composition
+    kernel instead.  ``sample`` gives the reference arguments of the build's self-check from its sample
+    tensors (``_cpp_build.self_check_tensors``).
     """
-    fallback = _FALLBACK[op]
+    fallback = _cpu.KERNELS[op.name]
     signature = inspect.signature(fallback)
     arity = len(signature.parameters)
+    rules = op.checks if "out_dtype" in signature.parameters else None
 
     def kernel(*args, **kwargs):
         if kwargs or len(args) != arity:  # keywords, defaults or a wrong call: bind (or raise TypeError)
@@ -72,28 +75,28 @@ def _native(
         module = _cpp_build._extension if _cpp_build._resolved else extension()
         if module is not None:
             try:
-                result = getattr(module, op)(*args)
+                result = getattr(module, op.name)(*args)
             except fallible:
                 result = None
             if result is not None:
                 return result
         return fallback(*args)
 
-    kernel.__name__ = kernel.__qualname__ = op
-    kernel.__doc__ = f"C++ {op}, or the composition kernel for forms it does not cover."
+    kernel.__name__ = kernel.__qualname__ = op.name
+    kernel.__doc__ = f"C++ {op.name}, or the composition kernel for forms it does not cover."
     kernel.__signature__ = signature
+    KERNELS[op.name] = kernel
+    _cpp_build.SELF_CHECKS[op.name] = (op, sample, rules is not None)
+    registry.declare_kernel(op, "cpu", kernel, note="C++ kernel, or an aten composition")
     return kernel
 
 
-rms_norm = _native("rms_norm", rms_norm_rules)
-rope = _native("rope", rope_rules)
-adalayernorm = _native("adalayernorm", adalayernorm_rules)
-fast_gelu = _native("fast_gelu")
+rms_norm = native(RMS_NORM, lambda t: (t.x, t.w, 1e-6))
+rope = native(ROPE, lambda t: (t.x, t.cos, t.sin, True))
+adalayernorm = native(ADALAYERNORM, lambda t: (t.x, t.scale, t.shift, 1e-6))
+fast_gelu = native(FAST_GELU, lambda t: (t.x,))
 # The composition kernel explains shapes that do not broadcast.
-mul_add = _native("mul_add", fallible=(RuntimeError,))
-
-#: Op name -> C++ kernel wrapper, for the families that declare one (``Kernel.native`` in mindiesd.families).
-KERNELS: dict[str, Callable[..., torch.Tensor]] = native_kernels("cpu")
+mul_add = native(MUL_ADD, lambda t: (t.x, t.scale, t.w), fallible=(RuntimeError,))
 
 
 def install() -> None:
@@ -104,14 +107,14 @@ def install() -> None:
     """
     if not enabled():
         return
-    registered = _library.DEVICE_KERNELS.get("cpu", {})
+    registered = registry.DEVICE_KERNELS.get("cpu", {})
     for name, kernel in KERNELS.items():
         if registered.get(name) is not _cpu.KERNELS[name]:
             continue
         with warnings.catch_warnings():
             # Replacing the composition kernel is intended: no override warning.
             warnings.simplefilter("ignore", UserWarning)
-            _library.register_device_kernel(name, "cpu", kernel)
+            registry.register_device_kernel(name, "cpu", kernel)
 
 
 try:

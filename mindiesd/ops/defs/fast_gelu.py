@@ -1,0 +1,44 @@
+"""``mindiesd::fast_gelu``: tanh-approximated GELU."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import registry
+from .._layout import empty_output
+from .._rules import compute_dtype, finish, require_floating
+
+_GELU_TANH_COEFFICIENT = math.sqrt(2.0 / math.pi)
+_GELU_TANH_CUBIC = 0.044715
+
+
+def fast_gelu_rules(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """Validate fast_gelu input; return (output dtype, compute dtype)."""
+    require_floating("fast_gelu", x=x)
+    return x.dtype, compute_dtype(x.dtype)
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    """Tanh-approximated GELU, the function of F.gelu(x, approximate="tanh")."""
+    out_dtype, work_dtype = fast_gelu_rules(x)
+    values = x.to(work_dtype)
+    inner = _GELU_TANH_COEFFICIENT * (values + _GELU_TANH_CUBIC * values.pow(3))
+    result = 0.5 * values * (1 + torch.tanh(inner))
+    return finish(result, out_dtype, "fast_gelu", x)
+
+
+def fake(x):
+    out_dtype, _ = fast_gelu_rules(x)
+    return empty_output("fast_gelu", (x,), out_dtype)
+
+
+FAST_GELU = registry.declare(registry.OpDef(
+    name="fast_gelu",
+    schema="fast_gelu(Tensor x) -> Tensor",
+    layout="like_x",
+    reference=reference, fake=fake, checks=fast_gelu_rules,
+))
+
+public = registry.public_function(FAST_GELU, """Tanh-approximated GELU (same function as F.gelu(approximate="tanh")).""")
