@@ -25,12 +25,13 @@ import torch
 import torch._dynamo
 
 from . import zoo
-from .families import FAMILIES as _FAMILIES
-from .families import GEMM_FAMILIES, set_fast
+from .compilation.families import FAMILIES as _FAMILIES
+from .compilation.families import GEMM_FAMILIES, forced
 from .timing import interleaved_medians
 from .timing import synchronize as _synchronize
 
 FAMILIES = tuple(_FAMILIES)
+_FORCED: set = set()  # the families --force counts as fast in this run's backends
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_ITERS = {"tiny": 20, "mid": 5}
@@ -227,7 +228,7 @@ def _backend(cache_dir: Any = USER_CACHE, **settings: Any):
         raise ImportError(f"the MindieSD backend could not be imported: {exc}") from exc
     if cache_dir != USER_CACHE:
         settings["cache_dir"] = cache_dir
-    return MindieSDBackend(CompilationConfig(**settings))
+    return MindieSDBackend(CompilationConfig(**settings), force_fast=_FORCED)
 
 
 def _cache_state(records: Sequence[Any]) -> str:
@@ -662,7 +663,7 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     device_type = str(args.device).split(":")[0]
     for name in getattr(args, "force", None) or []:
         try:
-            set_fast(name, device_type, True)
+            _FORCED.update(forced([name], device_type))
         except ValueError as exc:
             stderr.write(f"mindiesd bench: --force {name}: {exc}\n")
             return 2
