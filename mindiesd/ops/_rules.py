@@ -9,6 +9,7 @@ each comparison becomes a guard.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import reduce
 
@@ -17,6 +18,8 @@ import torch
 from ._layout import output_layout, restride
 
 REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+_GELU_TANH_COEFFICIENT = math.sqrt(2.0 / math.pi)
+_GELU_TANH_CUBIC = 0.044715
 
 
 def promote(*dtypes: torch.dtype) -> torch.dtype:
@@ -71,3 +74,9 @@ def check_broadcasts_into(
 def finish(result: torch.Tensor, out_dtype: torch.dtype, op: str, *inputs: torch.Tensor) -> torch.Tensor:
     """Round a reference result to the output dtype once, in the layout of the rule for ``op`` on ``inputs``."""
     return restride(result.to(dtype=out_dtype), output_layout(op, inputs)[1])
+
+
+def tanh_gelu(values: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GELU, composed of aten ops in ``values``' dtype (fast_gelu and linear_gelu)."""
+    inner = _GELU_TANH_COEFFICIENT * (values + _GELU_TANH_CUBIC * values.pow(3))
+    return 0.5 * values * (1 + torch.tanh(inner))

@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 
 import mindiesd.ops as ops
-from mindiesd.ops import _cpp_build, _cpp_kernels, _cpu, _library, reference
-from mindiesd.ops._rules import adalayernorm_rules, rms_norm_rules, rope_rules
+from mindiesd.ops import _cpp_build, _cpp_kernels, _cpu, registry, reference
+from mindiesd.ops.defs.adalayernorm import adalayernorm_rules
+from mindiesd.ops.defs.rms_norm import rms_norm_rules
+from mindiesd.ops.defs.rope import rope_rules
 
 OPS = torch.ops.mindiesd
 TOLERANCES = {
@@ -120,7 +122,7 @@ def leading_shape(rank):
 @requires_enabled
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_cpp_wrappers_are_the_cpu_kernels(name):
-    assert _library.DEVICE_KERNELS["cpu"][name] is _cpp_kernels.KERNELS[name]
+    assert registry.DEVICE_KERNELS["cpu"][name] is _cpp_kernels.KERNELS[name]
 
 
 @pytest.mark.parametrize("name", OP_NAMES)
@@ -562,8 +564,8 @@ def test_import_does_not_build():
         """
         import sys
         import mindiesd.ops
-        from mindiesd.ops import _cpp_build, _cpp_kernels, _library
-        assert _library.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpp_kernels.KERNELS["rms_norm"]  # installed
+        from mindiesd.ops import _cpp_build, _cpp_kernels, registry
+        assert registry.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpp_kernels.KERNELS["rms_norm"]  # installed
         assert not _cpp_build._resolved  # but not built or loaded
         assert "torch.utils.cpp_extension" not in sys.modules
         print("ok")
@@ -598,8 +600,8 @@ def test_disabled_by_environment():
         """
         import torch
         import mindiesd.ops
-        from mindiesd.ops import _cpu, _library
-        assert _library.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpu.KERNELS["rms_norm"]
+        from mindiesd.ops import _cpu, registry
+        assert registry.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpu.KERNELS["rms_norm"]
         assert not mindiesd.ops.build_cpu_kernels()
         x = torch.randn(3, 8)
         torch.testing.assert_close(torch.ops.mindiesd.fast_gelu.default(x),

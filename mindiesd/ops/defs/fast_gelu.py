@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import registry
 from .._layout import empty_output
-from .._rules import compute_dtype, finish, require_floating
-
-_GELU_TANH_COEFFICIENT = math.sqrt(2.0 / math.pi)
-_GELU_TANH_CUBIC = 0.044715
+from .._rules import compute_dtype, finish, require_floating, tanh_gelu
 
 
 def fast_gelu_rules(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
@@ -23,10 +18,7 @@ def fast_gelu_rules(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
 def reference(x: torch.Tensor) -> torch.Tensor:
     """Tanh-approximated GELU, the function of F.gelu(x, approximate="tanh")."""
     out_dtype, work_dtype = fast_gelu_rules(x)
-    values = x.to(work_dtype)
-    inner = _GELU_TANH_COEFFICIENT * (values + _GELU_TANH_CUBIC * values.pow(3))
-    result = 0.5 * values * (1 + torch.tanh(inner))
-    return finish(result, out_dtype, "fast_gelu", x)
+    return finish(tanh_gelu(x.to(work_dtype)), out_dtype, "fast_gelu", x)
 
 
 def fake(x):

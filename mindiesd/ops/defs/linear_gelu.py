@@ -6,8 +6,7 @@ import torch
 
 from .. import registry
 from .._layout import empty_output
-from .._rules import finish, require_floating, shape_str
-from .fast_gelu import reference as fast_gelu
+from .._rules import compute_dtype, finish, require_floating, shape_str, tanh_gelu
 
 
 def linear_gelu_rules(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
@@ -30,7 +29,8 @@ def linear_gelu_rules(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """tanh-GELU of the linear layer ``x @ weight.T + bias``: eager's two ops, the GEMM rounded to x's dtype."""
     out_dtype = linear_gelu_rules(x, weight, bias)
-    return finish(fast_gelu(torch.nn.functional.linear(x, weight, bias)), out_dtype, "linear_gelu", x, weight)
+    gemm = torch.nn.functional.linear(x, weight, bias)
+    return finish(tanh_gelu(gemm.to(compute_dtype(gemm.dtype))), out_dtype, "linear_gelu", x, weight)
 
 
 def fake(x, weight, bias=None):
