@@ -1,8 +1,9 @@
 """The fused ops' declaration type and their registration with the PyTorch dispatcher, derived from it.
 
-An op module declares its :class:`OpDef` once (name, schema, layout rule, checks, reference, fake) with
-:func:`declare`, which defines ``torch.ops.mindiesd.<name>`` with the reference under
-``CompositeExplicitAutograd`` (any device) and the fake for tracing. Kernel modules register themselves with
+An op module declares its :class:`OpDef` once (name, schema, layout rule, checks, reference, output dtype)
+with :func:`declare`, which defines ``torch.ops.mindiesd.<name>`` with the reference under
+``CompositeExplicitAutograd`` (any device) and, for tracing, the fake derived from the output dtype and the
+layout rule. Kernel modules register themselves with
 the op object (:func:`kernel`), saying per device whether the kernel is faster than eager's op sequence; each
 registered kernel runs behind ``_layout.conform``, which gives its contiguous output the op's layout.
 
@@ -51,32 +52,59 @@ class DeviceKernel:
 class OpDef:
     """One fused op, declared once by its module: everything the dispatcher, the tracer and the layout need."""
 
-    name: str
+    #: ``name(arguments) -> Tensor``; the op's name is the schema's.
     schema: str
     #: The output layout rule (``_layout.LAYOUTS``).
     layout: str
-    #: The definition of correct (differentiable aten composition) and the fake (shape, dtype, layout).
+    #: The definition of correct (differentiable aten composition).
     reference: Callable[..., torch.Tensor]
-    fake: Callable[..., torch.Tensor]
     #: The input checks shared by every implementation (the same errors everywhere).
     checks: Callable
-    #: Positional arguments that broadcast against x and move with it when the layout adapter permutes x.
+    #: The output layout rule's facts (see ``_layout``): arguments that broadcast against x and move with it
+    #: when the adapter permutes x; how many leading arguments the kernels take (None: all, the adapter applies
+    #: the layout flags); whether the op works along the last dimension, which must stay innermost; how many
+    #: leading arguments the rule reads.
     table_args: tuple = ()
-    #: How many leading arguments the device kernels take (None: all; layout flags are applied by the adapter).
     kernel_arity: int | None = None
-    #: True when the op works along the last dimension, which must stay innermost.
     rows: bool = True
+    layout_args: int = 1
+    #: The output dtype for the op's arguments; by default the first value the checks return when called with
+    #: the arguments of their parameters' names. With the layout rule it makes the fake.
+    output_dtype: Callable[..., torch.dtype] | None = None
     #: Device type -> the kernels declared there (filled by :func:`kernel` as kernel modules load).
     kernels: dict[str, DeviceKernel] = field(default_factory=dict)
+    #: The op's name, from its schema.
+    name: str = field(init=False)
 
     def __post_init__(self) -> None:
+        self.name = self.schema.partition("(")[0]
         if self.layout not in _layout.LAYOUTS:
             raise ValueError(f"op {self.name!r}: layout must be one of {_layout.LAYOUTS}, got {self.layout!r}")
+        if self.output_dtype is None:
+            self.output_dtype = _first_checked(self.reference, self.checks)
+
+    def fake(self, *args, **kwargs) -> torch.Tensor:
+        """An uninitialised output with the op's shape, dtype and layout, for fake and meta tensors."""
+        args = (*args, *kwargs.values())
+        return _layout.empty_output(self.name, args[:self.layout_args], self.output_dtype(*args))
 
     @property
     def overload(self):
         """``torch.ops.mindiesd.<name>.default``."""
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+
+def _first_checked(reference: Callable, checks: Callable) -> Callable[..., torch.dtype]:
+    """The first value ``checks`` return, called with the op arguments named like their parameters."""
+    signature = inspect.signature(reference)
+    names = list(inspect.signature(checks).parameters)
+
+    def output_dtype(*args, **kwargs) -> torch.dtype:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return checks(*(bound.arguments[name] for name in names))[0]
+
+    return output_dtype
 
 
 #: Op name -> declaration, in declaration order; the schemas and registered device kernels.

@@ -1,4 +1,4 @@
-"""The fused ops, one module each (checks, reference, fake, declaration, public function), in declaration order."""
+"""The fused ops, one module each (checks, reference, declaration, public function), declared in family order."""
 
 from .rms_norm import RMS_NORM
 from .rope import ROPE

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._layout import empty_output
 from .._rules import check_broadcasts_into, compute_dtype, finish, promote, require_floating, resolve_out_dtype
 
 
@@ -40,16 +39,10 @@ def reference(
     return finish(result, out_dtype, "adalayernorm", x)
 
 
-def fake(x, scale, shift, eps, out_dtype=None):
-    out_dtype, _ = adalayernorm_rules(x, scale, shift, out_dtype)
-    return empty_output("adalayernorm", (x,), out_dtype)
-
-
 ADALAYERNORM = registry.declare(registry.OpDef(
-    name="adalayernorm",
     schema="adalayernorm(Tensor x, Tensor scale, Tensor shift, float eps, ScalarType? out_dtype=None) -> Tensor",
     layout="contiguous", table_args=(1, 2),
-    reference=reference, fake=fake, checks=adalayernorm_rules,
+    reference=reference, checks=adalayernorm_rules,
 ))
 
 public = registry.public_function(ADALAYERNORM, """Adaptive layer norm: layer_norm(x) * (1 + scale) + shift.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._layout import empty_output
 from .._rules import compute_dtype, finish, require_floating, tanh_gelu
 
 
@@ -21,16 +20,10 @@ def reference(x: torch.Tensor) -> torch.Tensor:
     return finish(tanh_gelu(x.to(work_dtype)), out_dtype, "fast_gelu", x)
 
 
-def fake(x):
-    out_dtype, _ = fast_gelu_rules(x)
-    return empty_output("fast_gelu", (x,), out_dtype)
-
-
 FAST_GELU = registry.declare(registry.OpDef(
-    name="fast_gelu",
     schema="fast_gelu(Tensor x) -> Tensor",
     layout="like_x",
-    reference=reference, fake=fake, checks=fast_gelu_rules,
+    reference=reference, checks=fast_gelu_rules,
 ))
 
 public = registry.public_function(FAST_GELU, """Tanh-approximated GELU (same function as F.gelu(approximate="tanh")).""")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._layout import empty_output
 from .._rules import compute_dtype, finish, require_floating, shape_str, tanh_gelu
 
 
@@ -33,14 +32,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return finish(tanh_gelu(gemm.to(compute_dtype(gemm.dtype))), out_dtype, "linear_gelu", x, weight)
 
 
-def fake(x, weight, bias=None):
-    out_dtype = linear_gelu_rules(x, weight, bias)
-    return empty_output("linear_gelu", (x, weight), out_dtype)
-
-
 LINEAR_GELU = registry.declare(registry.OpDef(
-    name="linear_gelu",
     schema="linear_gelu(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     layout="gemm", rows=False,
-    reference=reference, fake=fake, checks=linear_gelu_rules,
+    reference=reference, checks=linear_gelu_rules, output_dtype=linear_gelu_rules, layout_args=2,
 ))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._layout import empty_output
 from .._rules import compute_dtype, finish, promote, shape_str
 
 
@@ -31,16 +30,11 @@ def reference(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, addend_first: b
     return finish(result, out_dtype, "mul_add", x, y, z, addend_first)
 
 
-def fake(x, y, z, addend_first=False):
-    _, out_dtype, _ = mul_add_rules(x, y, z)
-    return empty_output("mul_add", (x, y, z, addend_first), out_dtype)
-
-
 MUL_ADD = registry.declare(registry.OpDef(
-    name="mul_add",
     schema="mul_add(Tensor x, Tensor y, Tensor z, bool addend_first=False) -> Tensor",
     layout="broadcast", table_args=(0, 1, 2), kernel_arity=3, rows=False,
-    reference=reference, fake=fake, checks=mul_add_rules,
+    reference=reference, checks=mul_add_rules, layout_args=4,
+    output_dtype=lambda x, y, z, addend_first=False: mul_add_rules(x, y, z)[1],
 ))
 
 public = registry.public_function(MUL_ADD, """x * y + z with full broadcasting, rounded once.

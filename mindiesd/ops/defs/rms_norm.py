@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._layout import empty_output
 from .._rules import check_broadcasts_into, compute_dtype, finish, promote, require_floating, resolve_out_dtype
 
 
@@ -40,16 +39,10 @@ def reference(
     return finish(result, out_dtype, "rms_norm", x)
 
 
-def fake(x, weight, eps, out_dtype=None):
-    out_dtype, _ = rms_norm_rules(x, weight, out_dtype)
-    return empty_output("rms_norm", (x,), out_dtype)
-
-
 RMS_NORM = registry.declare(registry.OpDef(
-    name="rms_norm",
     schema="rms_norm(Tensor x, Tensor? weight, float eps, ScalarType? out_dtype=None) -> Tensor",
     layout="like_x", table_args=(1,),
-    reference=reference, fake=fake, checks=rms_norm_rules,
+    reference=reference, checks=rms_norm_rules,
 ))
 
 public = registry.public_function(RMS_NORM, """RMS normalization over the last dim, optionally scaled by ``weight``.

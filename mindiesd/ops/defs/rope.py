@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._layout import empty_output
 from .._rules import check_broadcasts_into, compute_dtype, finish, promote, require_floating, resolve_out_dtype, shape_str
 
 
@@ -86,16 +85,10 @@ def reference(
     return finish(result, out_dtype, "rope", x)
 
 
-def fake(x, cos, sin, interleaved, out_dtype=None):
-    out_dtype, _ = rope_rules(x, cos, sin, out_dtype)
-    return empty_output("rope", (x,), out_dtype)
-
-
 ROPE = registry.declare(registry.OpDef(
-    name="rope",
     schema="rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
     layout="like_x", table_args=(1, 2),
-    reference=reference, fake=fake, checks=rope_rules,
+    reference=reference, checks=rope_rules,
 ))
 
 public = registry.public_function(ROPE, """Rotary position embedding on the last dim of ``x``.
