@@ -175,22 +175,22 @@ def skip_reason(name: str, device_type: Optional[str], force: Collection[str] = 
     families in ``force`` count as faster than eager wherever they declare a kernel or rewrite (``bench
     --force``, to measure one where it is off by default).
     """
-    for forced in force:
-        family(forced)
+    for other in force:
+        family(other)
     declared_family = family(name)
     if device_type is None or device_type == "meta":
         return None
-    forced = name in force
+    is_forced = name in force
     declared = declared_family.declared.get(device_type)
     if declared_family.op is None:
         if declared is None:
             return f"no {name} rewrite declared for {device_type}"
-        return None if declared.fast or forced else f"on {device_type}, {declared.note or 'not faster than eager'}"
+        return None if declared.fast or is_forced else f"on {device_type}, {declared.note or 'not faster than eager'}"
     registered = registry.DEVICE_KERNELS.get(device_type, {}).get(name)
     if registered is None:
         if declared is None:
             return f"no {name} kernel for {device_type} (the reference composition is not faster than eager)"
         return f"the {device_type} kernel ({declared.note or 'declared'}) is not registered: its runtime is missing"
-    if declared is not None and not declared.fast and not forced and declared.declares(registered):
+    if declared is not None and not declared.fast and not is_forced and declared.declares(registered):
         return f"the {device_type} kernel is {declared.note or 'not faster than eager'}"
     return None

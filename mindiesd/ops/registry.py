@@ -198,17 +198,20 @@ def public_function(op: OpDef, doc: str) -> Callable[..., torch.Tensor]:
     are not differentiable). It has the reference's signature and defaults."""
     reference, overload = op.reference, op.overload
     signature = inspect.signature(reference)
-    arity = len(signature.parameters)
+    defaults = tuple(parameter.default for parameter in signature.parameters.values())
+    required = sum(default is inspect.Parameter.empty for default in defaults)
 
     def call(*args, **kwargs):
         if torch.is_grad_enabled() and any(
             isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values())
         ):
             return reference(*args, **kwargs)
-        if kwargs or len(args) != arity:
+        if kwargs or not required <= len(args) <= len(defaults):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             args = bound.args
+        else:
+            args = (*args, *defaults[len(args):])
         return overload(*args)
 
     call.__name__ = call.__qualname__ = op.name
