@@ -182,6 +182,38 @@ def test_family_skipped_where_its_kernel_is_not_faster_than_eager(monkeypatch):
     assert all(skip_reason(name, "cpu") is None for name in FAMILY_SWITCHES_ORDER)
 
 
+def test_force_counts_a_family_as_fast_only_where_it_declares_something(monkeypatch):
+    from mindiesd.compilation.pass_manager import PassManager, skip_reason
+    from mindiesd.ops import _npu, registry
+
+    monkeypatch.setitem(registry.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
+    manager = PassManager(list(FAMILY_SWITCHES_ORDER), "npu", force={"mul_add"})
+    assert sorted(manager.skipped) == ["adalayernorm", "fast_gelu"]
+    assert skip_reason("merge_projections", "cpu", force={"merge_projections"}) is None
+    assert "no rope kernel for mps" in skip_reason("rope", "mps", force={"rope"})
+    with pytest.raises(ValueError, match="unknown fusion family"):
+        skip_reason("rope", "cpu", force={"no_such_family"})
+
+
+def test_ops_never_import_compilation():
+    import ast
+    import pathlib
+
+    import mindiesd.ops
+
+    root = pathlib.Path(mindiesd.ops.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert "compilation" not in name and "bench" not in name, f"{path.relative_to(root)} imports {name}"
+
+
 def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
     import torch.nn.functional as F
 
