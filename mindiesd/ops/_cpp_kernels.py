@@ -11,8 +11,9 @@ compiler or ninja, a failed build: one warning names the cause) or disabled:
 * ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``_cpu.py``.
 
 An op gets a C++ kernel with one :func:`native` line here, its ``.cpp`` file in ``_cpp/`` (the build
-compiles every ``.cpp`` there) and its entry point declared in ``kernels.h`` and bound in ``bindings.cpp``. :func:`install` (run at import) registers the wrappers as the CPU kernels of
-the ops; nothing is built until one of them runs.
+compiles every ``.cpp`` there) and its entry point declared in ``kernels.h`` and bound in ``bindings.cpp``.
+:func:`install` (run at import) registers the wrappers as the CPU kernels of the ops; nothing is built until
+one of them runs.
 """
 
 from __future__ import annotations

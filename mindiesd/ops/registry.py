@@ -22,8 +22,8 @@ import torch
 
 from . import _layout
 
-__all__ = ["OpDef", "DeviceKernel", "OPS", "SCHEMAS", "DEVICE_KERNELS", "DISPATCH_KEYS", "declare", "declare_kernel", "kernel",
-           "register_device_kernel", "register_device_kernels", "public_function"]
+__all__ = ["OpDef", "DeviceKernel", "OPS", "SCHEMAS", "DEVICE_KERNELS", "DISPATCH_KEYS", "declare", "declare_kernel",
+           "kernel", "register_device_kernel", "register_device_kernels", "public_function"]
 
 NAMESPACE = "mindiesd"
 

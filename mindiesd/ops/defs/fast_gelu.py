@@ -26,4 +26,5 @@ FAST_GELU = registry.declare(registry.OpDef(
     reference=reference, checks=fast_gelu_rules,
 ))
 
-public = registry.public_function(FAST_GELU, """Tanh-approximated GELU (same function as F.gelu(approximate="tanh")).""")
+public = registry.public_function(
+    FAST_GELU, """Tanh-approximated GELU (same function as F.gelu(approximate="tanh")).""")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .._rules import check_broadcasts_into, compute_dtype, finish, promote, require_floating, resolve_out_dtype, shape_str
+from .._rules import (
+    check_broadcasts_into, compute_dtype, finish, promote, require_floating, resolve_out_dtype, shape_str,
+)
 
 
 def rope_rules(
