@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import _cpu, _gemm, _npu, reference, registry  # noqa: F401  (_cpu, _gemm, _npu register their kernels)
+from . import kernels, reference, registry  # noqa: F401  (kernels registers the CPU, GEMM and NPU kernels)
 from .defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
 from .defs.adalayernorm import public as adalayernorm
 from .defs.fast_gelu import public as fast_gelu
@@ -48,15 +48,15 @@ def _register_optional_kernels() -> None:
     """
     backends = []
     if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-        backends.append("_triton")
+        backends.append("triton")
     if importlib.util.find_spec("torch_npu") is not None:
-        backends.append("_npu")
+        backends.append("npu")
     for backend in backends:
         try:
-            importlib.import_module(f"{__name__}.{backend}").register()
+            importlib.import_module(f"{__name__}.kernels.{backend}").register()
         except Exception as error:  # a broken optional runtime must not break this import
             warnings.warn(
-                f"mindiesd.ops: {backend.lstrip('_')} kernels not registered ({error!r}); "
+                f"mindiesd.ops: {backend} kernels not registered ({error!r}); "
                 "the reference kernels run instead",
                 RuntimeWarning,
                 stacklevel=2,
@@ -65,4 +65,4 @@ def _register_optional_kernels() -> None:
 
 _register_optional_kernels()
 
-from ._cpp_kernels import build_cpu_kernels  # noqa: E402  (registers the lazily built C++ CPU kernels)
+from .kernels.cpp import build_cpu_kernels  # noqa: E402  (registers the lazily built C++ CPU kernels)

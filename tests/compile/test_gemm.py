@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fusion_utils import TOLERANCE, assert_close, count_fused
 from mindiesd.compilation import families
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
-from mindiesd.ops import _gemm
+from mindiesd.ops.kernels import gemm as _gemm
 
 aten = torch.ops.aten
 

@@ -241,7 +241,8 @@ def test_rule_matches_eager_sequences(name):
 @pytest.mark.parametrize("implementation", ["composition", "cpp"])
 def test_conform_gives_every_cpu_kernel_the_rule(implementation, op, name):
     """The raw kernels write contiguous outputs; behind ``conform`` each returns the rule's strides and values."""
-    from mindiesd.ops import _cpp_kernels, _cpu, reference
+    from mindiesd.ops import reference
+    from mindiesd.ops.kernels import cpp as _cpp_kernels, cpu as _cpu
 
     if implementation == "cpp":
         if not _cpp_kernels.enabled():

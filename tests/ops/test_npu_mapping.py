@@ -1,4 +1,4 @@
-"""Tests of the Ascend mapping (mindiesd/ops/_npu.py) with a stand-in torch_npu.
+"""Tests of the Ascend mapping (mindiesd/ops/kernels/npu.py) with a stand-in torch_npu.
 
 No NPU (and no PrivateUse1 backend) exists here, so the mapping functions
 are called directly on CPU tensors, with a ``torch_npu`` module put into
@@ -16,7 +16,8 @@ import types
 import pytest
 import torch
 
-from mindiesd.ops import registry, _npu, reference
+from mindiesd.ops import registry, reference
+from mindiesd.ops.kernels import npu as _npu
 
 A2_SOC_VERSION = 223  # Ascend910B3
 A3_SOC_VERSION = 250  # Ascend910_9391

@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import mindiesd.ops as ops
-from mindiesd.ops import _cpu, registry, reference
+from mindiesd.ops import registry, reference
+from mindiesd.ops.kernels import cpu as _cpu
 
 OPS = torch.ops.mindiesd
 

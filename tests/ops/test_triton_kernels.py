@@ -1,4 +1,4 @@
-"""Tests of the Triton kernels (mindiesd/ops/_triton.py) in Triton's interpreter.
+"""Tests of the Triton kernels (mindiesd/ops/kernels/triton.py) in Triton's interpreter.
 
 The kernels run on CPU tensors with TRITON_INTERPRET=1.  Triton fixes that
 mode when it is first imported (its own library functions are decorated
@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from mindiesd.ops import registry, reference  # noqa: E402
-from mindiesd.ops import _triton as kernels  # noqa: E402
+from mindiesd.ops.kernels import triton as kernels  # noqa: E402
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not IN_INTERPRETER else "cpu"
@@ -308,7 +308,7 @@ def test_import_does_not_load_triton_without_cuda():
         import mindiesd.ops
         assert not torch.cuda.is_available()
         assert "triton" not in sys.modules, "triton was imported"
-        assert "mindiesd.ops._triton" not in sys.modules
+        assert "mindiesd.ops.kernels.triton" not in sys.modules
         assert "cuda" not in mindiesd.ops.registry.DEVICE_KERNELS
         print("ok")
         """

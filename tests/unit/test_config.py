@@ -166,7 +166,8 @@ def test_switches_and_passes_come_from_the_family_registry():
 
 def test_family_skipped_where_its_kernel_is_not_faster_than_eager(monkeypatch):
     from mindiesd.compilation.pass_manager import PassManager, skip_reason
-    from mindiesd.ops import registry, _npu
+    from mindiesd.ops import registry
+    from mindiesd.ops.kernels import npu as _npu
 
     monkeypatch.setitem(registry.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
     manager = PassManager(list(FAMILY_SWITCHES_ORDER), "npu")
@@ -184,7 +185,8 @@ def test_family_skipped_where_its_kernel_is_not_faster_than_eager(monkeypatch):
 
 def test_force_counts_a_family_as_fast_only_where_it_declares_something(monkeypatch):
     from mindiesd.compilation.pass_manager import PassManager, skip_reason
-    from mindiesd.ops import _npu, registry
+    from mindiesd.ops import registry
+    from mindiesd.ops.kernels import npu as _npu
 
     monkeypatch.setitem(registry.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
     manager = PassManager(list(FAMILY_SWITCHES_ORDER), "npu", force={"mul_add"})
@@ -244,6 +246,6 @@ def _cpu_registry():
 
 
 def _cpu_composition(name):
-    from mindiesd.ops import _cpu
+    from mindiesd.ops.kernels import cpu as _cpu
 
     return _cpu.KERNELS[name]

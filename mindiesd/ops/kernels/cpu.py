@@ -19,14 +19,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import reference, registry
-from ._rules import REDUCED_FLOAT_DTYPES, promote
-from .defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
-from .defs.adalayernorm import adalayernorm_rules
-from .defs.fast_gelu import fast_gelu_rules
-from .defs.mul_add import mul_add_rules
-from .defs.rms_norm import rms_norm_rules
-from .defs.rope import rope_rules
+from .. import reference, registry
+from .._rules import REDUCED_FLOAT_DTYPES, promote
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.adalayernorm import adalayernorm_rules
+from ..defs.fast_gelu import fast_gelu_rules
+from ..defs.mul_add import mul_add_rules
+from ..defs.rms_norm import rms_norm_rules
+from ..defs.rope import rope_rules
 
 def _without_autograd(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Run ``kernel`` with grad mode off.
@@ -46,13 +46,13 @@ def _without_autograd(kernel: Callable[..., torch.Tensor]) -> Callable[..., torc
     return run
 
 
-#: Op name -> CPU kernel, as registered (each op's composition here, linear_gelu's in ``_gemm``).
+#: Op name -> CPU kernel, as registered (each op's composition here, linear_gelu's in ``gemm``).
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def cpu_kernel(op: registry.OpDef, *, fast: bool = True, note: str = "C++ kernel, or an aten composition"):
     """Decorator: register the function, run without autograd, as ``op``'s CPU kernel (the C++ kernel of
-    ``_cpp_kernels`` replaces it where the extension is enabled)."""
+    ``cpp`` replaces it where the extension is enabled)."""
 
     def decorate(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         registry.kernel(op, "cpu", fast=fast, note=note, into=KERNELS)(_without_autograd(kernel))

@@ -16,14 +16,14 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import registry
-from ._cpu import cpu_kernel
-from .defs import LINEAR_GELU
-from .defs.linear_gelu import linear_gelu_rules
+from .. import registry
+from .cpu import cpu_kernel
+from ..defs import LINEAR_GELU
+from ..defs.linear_gelu import linear_gelu_rules
 
 __all__ = ["linear_gelu_cpu", "linear_gelu_cuda", "epilogue_is_tanh_gelu", "CUDA_KERNELS"]
 
-#: Op name -> CUDA kernel; registered with the Triton kernels where CUDA and Triton exist (``_triton.register``).
+#: Op name -> CUDA kernel; registered with the Triton kernels where CUDA and Triton exist (``triton.register``).
 CUDA_KERNELS: dict = {}
 
 #: (device, dtype) -> whether torch._addmm_activation's GELU epilogue is tanh-GELU there.

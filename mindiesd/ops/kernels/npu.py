@@ -33,11 +33,11 @@ import math
 
 import torch
 
-from . import reference, registry
-from ._rules import promote
-from .defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
-from .defs.rms_norm import rms_norm_rules
-from .defs.rope import rope_rules
+from .. import reference, registry
+from .._rules import promote
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.rms_norm import rms_norm_rules
+from ..defs.rope import rope_rules
 
 __all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
 

@@ -23,20 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _gemm, reference, registry
-from .defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
-from .defs.adalayernorm import adalayernorm_rules
-from .defs.fast_gelu import fast_gelu_rules
-from .defs.mul_add import mul_add_rules
-from .defs.rms_norm import rms_norm_rules
-from .defs.rope import rope_rules
+from .. import reference, registry
+from . import gemm
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.adalayernorm import adalayernorm_rules
+from ..defs.fast_gelu import fast_gelu_rules
+from ..defs.mul_add import mul_add_rules
+from ..defs.rms_norm import rms_norm_rules
+from ..defs.rope import rope_rules
 
 __all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "cuda"
 
-#: Op name -> CUDA kernel: the Triton kernels and the GEMM epilogue of ``_gemm`` (registered by :func:`register`).
-KERNELS: dict = dict(_gemm.CUDA_KERNELS)
+#: Op name -> CUDA kernel: the Triton kernels and the GEMM epilogue of ``gemm`` (registered by :func:`register`).
+KERNELS: dict = dict(gemm.CUDA_KERNELS)
 
 
 def _triton_kernel(op: registry.OpDef):

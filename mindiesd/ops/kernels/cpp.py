@@ -1,14 +1,14 @@
 """Single-pass C++ CPU kernels for the mindiesd operators, built on first use.
 
 Each op here calls its entry point of the C++ extension (``_cpp/``; built,
-cached and loaded by ``_cpp_build.py`` on the first call of a CPU kernel, or
+cached and loaded by ``cpp_build.py`` on the first call of a CPU kernel, or
 by ``mindiesd.ops.build_cpu_kernels()``, never at import) and falls back to
-the aten composition kernel of ``_cpu.py`` for the forms the extension does
+the aten composition kernel of ``cpu.py`` for the forms the extension does
 not cover (e.g. float64, mixed-dtype mul_add) or when it is unavailable (no
 compiler or ninja, a failed build: one warning names the cause) or disabled:
 
 * ``MINDIESD_CPP_CACHE``: cache folder (default ``~/.cache/mindiesd/cpp``).
-* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``_cpu.py``.
+* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``cpu.py``.
 
 An op gets a C++ kernel with one :func:`native` line here, its ``.cpp`` file in ``_cpp/`` (the build
 compiles every ``.cpp`` there) and its entry point declared in ``kernels.h`` and bound in ``bindings.cpp``.
@@ -24,8 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import _cpp_build, _cpu, registry
-from ._cpp_build import (  # noqa: F401  (the build's public names, as before the split)
+from .. import registry
+from . import cpp_build, cpu
+from .cpp_build import (  # noqa: F401  (the build's public names, as before the split)
     CACHE_ENV,
     ENABLE_ENV,
     HEADERS,
@@ -38,7 +39,7 @@ from ._cpp_build import (  # noqa: F401  (the build's public names, as before th
     enabled,
     extension,
 )
-from .defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
@@ -51,16 +52,16 @@ def native(
     sample: Callable[..., tuple],
     fallible: tuple[type[BaseException], ...] = (),
 ) -> Callable[..., torch.Tensor]:
-    """The CPU kernel of ``op``: the C++ entry point of that name, else the composition kernel of ``_cpu``.
+    """The CPU kernel of ``op``: the C++ entry point of that name, else the composition kernel of ``cpu``.
 
     The wrapper has the composition kernel's signature.  When the op takes an ``out_dtype`` (last), the
     op's checks (called with all arguments but the scalar before ``out_dtype``) resolve it first, as the
     entry point takes it resolved.  The entry point returns None for forms it does not cover, and raises
     one of ``fallible`` where the composition kernel explains the failure better; both run the composition
     kernel instead.  ``sample`` gives the reference arguments of the build's self-check from its sample
-    tensors (``_cpp_build.self_check_tensors``).
+    tensors (``cpp_build.self_check_tensors``).
     """
-    fallback = _cpu.KERNELS[op.name]
+    fallback = cpu.KERNELS[op.name]
     signature = inspect.signature(fallback)
     arity = len(signature.parameters)
     rules = op.checks if "out_dtype" in signature.parameters else None
@@ -73,7 +74,7 @@ def native(
         if rules is not None:
             out_dtype, _ = rules(*args[:-2], args[-1])
             args = (*args[:-1], out_dtype)
-        module = _cpp_build._extension if _cpp_build._resolved else extension()
+        module = cpp_build._extension if cpp_build._resolved else extension()
         if module is not None:
             try:
                 result = getattr(module, op.name)(*args)
@@ -87,7 +88,7 @@ def native(
     kernel.__doc__ = f"C++ {op.name}, or the composition kernel for forms it does not cover."
     kernel.__signature__ = signature
     KERNELS[op.name] = kernel
-    _cpp_build.SELF_CHECKS[op.name] = (op, sample, rules is not None)
+    cpp_build.SELF_CHECKS[op.name] = (op, sample, rules is not None)
     registry.declare_kernel(op, "cpu", kernel, note="C++ kernel, or an aten composition")
     return kernel
 
@@ -110,7 +111,7 @@ def install() -> None:
         return
     registered = registry.DEVICE_KERNELS.get("cpu", {})
     for name, kernel in KERNELS.items():
-        if registered.get(name) is not _cpu.KERNELS[name]:
+        if registered.get(name) is not cpu.KERNELS[name]:
             continue
         with warnings.catch_warnings():
             # Replacing the composition kernel is intended: no override warning.

@@ -10,7 +10,7 @@ first call of a CPU kernel, or by ``mindiesd.ops.build_cpu_kernels()``, never
 at import, into a cache folder that later processes reuse:
 
 * ``MINDIESD_CPP_CACHE``: cache folder (default ``~/.cache/mindiesd/cpp``).
-* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``_cpu.py``.
+* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``cpu.py``.
 
 The build targets ATen's CPU capability of this machine
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or DEFAULT, plus
@@ -20,7 +20,7 @@ hash of every source and header name the cached build, so a build is only
 reused where it can run and only for the sources it was built from.  When no
 compiler or ninja is found or the build fails, one warning names the cause
 and :func:`extension` returns None.  The op wrappers that fall back to the
-composition kernels live in ``_cpp_kernels.py``.
+composition kernels live in ``cpp.py``.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "enabled", "extensi
 
 CACHE_ENV = "MINDIESD_CPP_CACHE"
 ENABLE_ENV = "MINDIESD_CPP_KERNELS"
-SOURCE_DIR = Path(__file__).with_name("_cpp")
+SOURCE_DIR = Path(__file__).parent.parent / "_cpp"
 # The compiled sources (one per op, the build and streaming settings, the bindings) and the headers they
 # include: every file of _cpp/; build_name() hashes all of them.
 SOURCES = tuple(sorted(path.name for path in SOURCE_DIR.glob("*.cpp")))
 HEADERS = tuple(sorted(path.name for path in SOURCE_DIR.glob("*.h")))
 #: Op name -> (declaration, sample arguments from self_check_tensors(), whether the entry point takes the
-#: resolved out_dtype last): the self-check of each C++ kernel, filled by ``_cpp_kernels.native``.
+#: resolved out_dtype last): the self-check of each C++ kernel, filled by ``cpp.native``.
 SELF_CHECKS: dict = {}
 # Wall time of the first build on a 2-core machine, for the progress line.
 ESTIMATED_BUILD_SECONDS = 30
