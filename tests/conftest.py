@@ -24,7 +24,7 @@ _KERNEL_BUILD: dict = {}
 def cpu_kernel_build():
     """Build (or load from its cache) the C++ CPU kernels once, before any test, so that their one-time cost
     is charged here and reported at the end rather than to whichever test first runs a CPU kernel."""
-    from mindiesd.ops._cpp_kernels import build_cpu_kernels, cpu_kernel_implementation
+    from mindiesd.ops.kernels.cpp import build_cpu_kernels, cpu_kernel_implementation
 
     start = time.perf_counter()
     build_cpu_kernels()

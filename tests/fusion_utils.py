@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from mindiesd import families
+from mindiesd.compilation import families
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
 
 #: The specification's five families (the GEMM rewrites are off on CPU by default and tested in test_gemm.py).

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import torch
 
 from .. import zoo
-from ..families import FAMILIES as _FAMILIES
-from ..families import set_fast
+from ..compilation.families import FAMILIES as _FAMILIES
+from ..compilation.families import forced
 
 FAMILIES = tuple(_FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,11 +137,10 @@ def make_backend(cache_dir: Any = USER_CACHE, *, force: Sequence[str] = (), devi
         from ..compilation import CompilationConfig, MindieSDBackend
     except ImportError as exc:
         raise ImportError(f"the MindieSD backend could not be imported: {exc}") from exc
-    for family in force:
-        set_fast(family, str(device).split(":")[0], True)
+    force_fast = forced(force, str(device).split(":")[0])
     if cache_dir != USER_CACHE:
         settings["cache_dir"] = cache_dir
-    return MindieSDBackend(CompilationConfig(**settings), keep_graphs=keep_graphs)
+    return MindieSDBackend(CompilationConfig(**settings), keep_graphs=keep_graphs, force_fast=force_fast)
 
 
 def resolve_cache_dir(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:

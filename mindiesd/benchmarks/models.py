@@ -22,7 +22,7 @@ import torch
 import torch._dynamo
 
 from .. import zoo
-from ..families import GEMM_FAMILIES
+from ..compilation.families import GEMM_FAMILIES
 from .common import (
     DEFAULT_ITERS, DEFAULT_WARMUP, DTYPE_NAMES, DTYPES, FAMILIES, USER_CACHE, Progress,
     add_cache_options, add_model_option, add_run_options, add_timing_options, complain, environment, make_backend,

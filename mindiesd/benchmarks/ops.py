@@ -241,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _device_line(device: torch.device) -> str:
     if device.type == "cpu":
-        from ..ops import _cpp_kernels
+        from ..ops.kernels import cpp as _cpp_kernels
 
         return (f"CPU capability {torch.backends.cpu.get_cpu_capability()}; "
                 f"mindiesd CPU kernels: {_cpp_kernels.cpu_kernel_implementation()}")

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule
@@ -31,6 +31,7 @@ from .config import CompilationConfig
 from .device_graph import DeviceGraphRunner, _device_of, wrap_for_capture
 from .freezing import FrozenGraph, constant_inputs, split_constants
 from .graph_log import GraphLog, resolve_log_dir
+from .families import family
 from .pass_manager import PassManager, skip_reason
 from .report import CompileReport, GraphRecord, fusion_report
 
@@ -67,14 +68,19 @@ class MindieSDBackend:
     The settings are a snapshot of :class:`CompilationConfig` taken here (or ``config``, copied), so later
     changes to the global settings affect only backends created later. With ``keep_graphs=True`` the final
     graph of every compile is kept in :attr:`graphs`, for inspection (count the fused ops, read the code).
+    The families in ``force_fast`` count as faster than eager wherever they declare a kernel or rewrite.
     """
 
-    def __init__(self, config: Optional[CompilationConfig] = None, *, keep_graphs: bool = False):
+    def __init__(self, config: Optional[CompilationConfig] = None, *, keep_graphs: bool = False,
+                 force_fast: Collection[str] = ()):
         if config is not None and not isinstance(config, CompilationConfig):
             raise TypeError(f"config must be a CompilationConfig, got {type(config).__name__}")
         self.config = config.copy() if config is not None else CompilationConfig.snapshot()
         self._report = CompileReport()
         self.keep_graphs = keep_graphs
+        self.force_fast = frozenset(force_fast)
+        for name in self.force_fast:
+            family(name)  # an unknown name fails here, not at the first compile
         self.graphs: List[GraphModule] = []
         self.runners: List[DeviceGraphRunner] = []  # one per compiled graph when capture is on
 
@@ -126,7 +132,7 @@ class MindieSDBackend:
             return _CacheSlot(None, None)
         device = _device_of(example_inputs)
         device_type = device.type if device is not None else None
-        skipped = {f: why for f in self._families() if (why := skip_reason(f, device_type)) is not None}
+        skipped = {f: why for f in self._families() if (why := skip_reason(f, device_type, self.force_fast)) is not None}
         weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
         settings = graph_cache.settings_for_key(self.config.to_dict())
         key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped)
@@ -166,7 +172,7 @@ class MindieSDBackend:
             graph_log.graph("aten", aten_gm)
             frozen = None
             freezable = config.enable_freezing and not training and len(aten_inputs) == len(example_inputs)
-            passes = PassManager(families, device.type if device is not None else None)
+            passes = PassManager(families, device.type if device is not None else None, self.force_fast)
             rewrites: Dict[str, int] = {}
             for fusion in passes.freeze_passes:  # rewrites whose weight-only part freezing folds
                 if not freezable:

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Tuple
 
-from ..families import FAMILIES
+from .families import FAMILIES
 from .cache import default_cache_dir
 
 __all__ = [
@@ -101,12 +101,12 @@ _FUSION_FIELDS: Dict[str, _Field] = {
     family.switch: _Field(True, _is_bool, "a bool", family.doc) for family in FAMILIES.values()
 }
 
-#: Fusion family name -> the switch that enables it, in the order the passes run (from mindiesd.families).
+#: Fusion family name -> the switch that enables it, in the order the passes run (from mindiesd.compilation.families).
 FAMILY_SWITCHES: Dict[str, str] = {name: family.switch for name, family in FAMILIES.items()}
 
 
 class FusionPatterns:
-    """The ``enable_*`` switch of every fusion family (:data:`mindiesd.families.FAMILIES`), each on by default."""
+    """The ``enable_*`` switch of every fusion family (:data:`mindiesd.compilation.families.FAMILIES`), each on by default."""
 
     __slots__ = tuple(_FUSION_FIELDS)
 

@@ -1,18 +1,19 @@
 """Runs the enabled fusion passes in order, timing each and logging the graph before and after.
 
 A family is run only where its op has a kernel that beats eager's op sequence on the graph's device (declared
-in :mod:`mindiesd.families`, or registered by the user); elsewhere it is skipped and the reason recorded.
+with the op's kernels, or registered by the user), or is forced; elsewhere it is skipped and the reason
+recorded (:func:`mindiesd.compilation.families.skip_reason`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Set
+from typing import Any, Collection, Dict, Optional, Sequence, Set
 
 from torch.fx import GraphModule, Node
 
-from ..families import FAMILIES, Kernel, resolve
+from .families import FAMILIES, skip_reason
 from .graph_log import GraphLog, graph_text
 from .passes import PASSES
 
@@ -21,57 +22,19 @@ log = logging.getLogger("mindiesd.compilation")
 __all__ = ["PassManager", "skip_reason"]
 
 
-def skip_reason(family: str, device_type: Optional[str]) -> Optional[str]:
-    """Why ``family`` is not fused for a graph on ``device_type``, or None when it is.
-
-    A fused op must not make the model slower: it needs a registered kernel on the device that is faster than
-    eager's sequence (the declared kernel with ``fast=True``, or any kernel a user registered there).
-    """
-    if device_type is None or device_type == "meta":
-        return None
-    from mindiesd.ops import _library
-
-    declared = FAMILIES[family].kernels.get(device_type)
-    if not FAMILIES[family].has_op:  # a rewrite into aten ops: its declaration says whether it gains there
-        if declared is None:
-            return f"no {family} rewrite declared for {device_type}"
-        return None if declared.fast else f"on {device_type}, {declared.note or 'not faster than eager'}"
-    registered = _library.DEVICE_KERNELS.get(device_type, {}).get(family)
-    if registered is None:
-        if declared is None:
-            return f"no {family} kernel for {device_type} (the reference composition is not faster than eager)"
-        return f"the {device_type} kernel ({declared.note or declared.target}) is not registered: its runtime is missing"
-    if declared is not None and not declared.fast and _is_declared(registered, declared):
-        return f"the {device_type} kernel is {declared.note or 'not faster than eager'}"
-    return None
-
-
-def _is_declared(registered: Callable[..., Any], declared: Kernel) -> bool:
-    """Whether the registered kernel is the declared one (not one a user registered in its place)."""
-    for target in (declared.target, declared.native):
-        if not target:
-            continue
-        try:
-            kernel = resolve(target)
-        except (ImportError, AttributeError):
-            continue
-        if registered is kernel or getattr(registered, "__wrapped__", None) is kernel:
-            return True
-    return False
-
-
 class PassManager:
     """The passes of ``families`` (names from :data:`PASSES`), run in :data:`PASSES` order, less those without a
-    fast kernel on ``device_type`` (:attr:`skipped`)."""
+    fast kernel on ``device_type`` (:attr:`skipped`); the families in ``force`` count as fast wherever they
+    declare a kernel or rewrite."""
 
-    def __init__(self, families: Sequence[str], device_type: Optional[str] = None):
+    def __init__(self, families: Sequence[str], device_type: Optional[str] = None, force: Collection[str] = ()):
         unknown = set(families) - set(PASSES)
         if unknown:
             raise ValueError(f"unknown fusion families {sorted(unknown)}; known: {list(PASSES)}")
         #: Enabled families left unfused on this device, with the reason.
         self.skipped: Dict[str, str] = {}
         for name in families:
-            reason = skip_reason(name, device_type)
+            reason = skip_reason(name, device_type, force)
             if reason is not None:
                 self.skipped[name] = reason
         chosen = [PASSES[name]() for name in PASSES if name in families and name not in self.skipped]

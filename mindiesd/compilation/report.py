@@ -6,7 +6,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-from ..families import FAMILIES
+from .families import FAMILIES
 
 __all__ = ["GraphRecord", "CompileReport", "fusion_report", "reset_fusion_report"]
 

@@ -23,21 +23,31 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..families import FAMILIES as _ALL
-from ._rules import mul_add_rules
+__all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "restride", "conform", "ROW_OPS"]
 
-__all__ = ["output_layout", "empty_output", "restride", "conform", "ROW_OPS"]
-
-FAMILIES = {name: family for name, family in _ALL.items() if family.has_op}
+#: The output layout rules: ``like_x`` follows ``torch.empty_like(x)``; ``contiguous`` is dense row-major;
+#: ``broadcast`` is the layout eager's ``x * y + z`` gives over the broadcast operands (or ``z + x * y``'s when
+#: the op's argument 3, ``addend_first``, is set); ``gemm`` is the dense row-major
+#: ``x.shape[:-1] + (weight.shape[0],)`` of a linear layer (argument 1 is the weight).
+LAYOUTS = ("like_x", "contiguous", "broadcast", "gemm")
 
 #: Ops that work along the last dimension: a permutation may move every dimension but that one.
-ROW_OPS = frozenset(name for name, family in FAMILIES.items() if family.rows)
+ROW_OPS: set = globals().get("ROW_OPS", set())
 #: Positional arguments, per op, that broadcast against x and move with it under a permutation.
-_TABLE_ARGS = {name: family.table_args for name, family in FAMILIES.items()}
-#: Per op, its layout rule (``like_x``, ``contiguous`` or ``broadcast``), from the family declaration.
-_LAYOUT = {name: family.layout for name, family in FAMILIES.items()}
+_TABLE_ARGS: dict = globals().get("_TABLE_ARGS", {})
+#: Per op, its layout rule (one of LAYOUTS).
+_LAYOUT: dict = globals().get("_LAYOUT", {})
 #: Per op, how many leading arguments its device kernels take (None: all of them).
-_ARITY = {name: (family.kernel_arity if family.kernel_arity >= 0 else None) for name, family in FAMILIES.items()}
+_ARITY: dict = globals().get("_ARITY", {})
+#: Per op, its input checks (they explain shapes that do not broadcast).
+_CHECKS: dict = globals().get("_CHECKS", {})
+
+
+def declare(op: str, layout: str, table_args: tuple, kernel_arity: int | None, rows: bool, checks: Callable) -> None:
+    """Record the layout facts of ``op`` (called by ``registry.declare`` from the op's declaration)."""
+    _LAYOUT[op], _TABLE_ARGS[op], _ARITY[op], _CHECKS[op] = layout, table_args, kernel_arity, checks
+    if rows:
+        ROW_OPS.add(op)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -87,7 +97,7 @@ def output_layout(op: str, args: Sequence) -> tuple:
         try:
             return _mul_add_layout(_key(args[0]), _key(args[1]), _key(args[2]), _addend_first(args))
         except RuntimeError:
-            mul_add_rules(args[0], args[1], args[2])  # raises the op's own error, naming the shapes
+            _CHECKS[op](args[0], args[1], args[2])  # raises the op's own error, naming the shapes
             raise
     if layout in ("contiguous", "gemm"):
         shape = tuple(args[0].shape) if layout == "contiguous" else _gemm_shape(args[0], args[1])

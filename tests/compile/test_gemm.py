@@ -1,7 +1,7 @@
 """The GEMM rewrites: merged projections (``merge_projections``) and the GELU epilogue (``linear_gelu``).
 
 Both are off on CPU by default (measured: no gain on the CPUs tried, README "GEMM rewrites"); the tests declare
-them fast on CPU (``families.declared_fast``) to check the rewrites themselves: what is rewritten (counted in
+them fast on CPU (``MindieSDBackend(force_fast=...)``) to check the rewrites themselves: what is rewritten (counted in
 the final graph), what is left alone, the numerics against eager per dtype, and weights changed after compiling.
 """
 
@@ -15,23 +15,30 @@ import torch
 import torch.nn.functional as F
 
 from fusion_utils import TOLERANCE, assert_close, count_fused
-from mindiesd import families
+from mindiesd.compilation import families
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
-from mindiesd.ops import _gemm
+from mindiesd.ops.kernels import gemm as _gemm
 
 aten = torch.ops.aten
 
 
+#: The rewrites the enclosing ``forced`` block has the backends count as fast (``force_fast``).
+FORCED: tuple = ()
+
+
 @contextlib.contextmanager
 def forced(*names):
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            stack.enter_context(families.declared_fast(name, "cpu"))
+    global FORCED
+    previous, FORCED = FORCED, names
+    try:
         yield
+    finally:
+        FORCED = previous
 
 
 def compile_run(fn, *args, config=None, dynamic=False):
-    backend = MindieSDBackend(config or CompilationConfig(cache_dir=None, strict=True), keep_graphs=True)
+    backend = MindieSDBackend(config or CompilationConfig(cache_dir=None, strict=True), keep_graphs=True,
+                              force_fast=FORCED)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", MindieSDFallbackWarning)
@@ -298,12 +305,13 @@ def test_linear_gelu_rejects_inputs_that_are_not_a_linear_layer():
         torch.ops.mindiesd.linear_gelu(x, w.double(), None)
 
 
-def test_set_fast_refuses_a_device_without_a_kernel():
+def test_force_refuses_a_device_without_a_kernel():
     with pytest.raises(ValueError, match="declares no kernel"):
-        families.set_fast("linear_gelu", "npu")
-    with families.declared_fast("merge_projections", "cpu"):
-        assert families.fast_on("merge_projections", "cpu")
-    assert not families.fast_on("merge_projections", "cpu")
+        families.forced(["linear_gelu"], "npu")
+    with pytest.raises(ValueError, match="unknown fusion family"):
+        MindieSDBackend(force_fast=["no_such_family"])
+    assert families.skip_reason("merge_projections", "cpu", force={"merge_projections"}) is None
+    assert families.skip_reason("merge_projections", "cpu") is not None
 
 
 # ------------------------------------------------------------------------------------------------- the models
@@ -313,7 +321,7 @@ MERGED = {"flux": 8, "sd3": 4, "wan": 4}
 
 
 def _compiled(case):
-    backend = MindieSDBackend(CompilationConfig(cache_dir=None, strict=True), keep_graphs=True)
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None, strict=True), keep_graphs=True, force_fast=FORCED)
     torch._dynamo.reset()
     try:
         with torch.no_grad(), warnings.catch_warnings():
@@ -368,12 +376,9 @@ def test_linear_gelu_cuda_kernel_and_rewrites_on_the_gpu(dtype):
     assert backend.report().records[0].matches["linear_gelu"] == 1
 
 
-@contextlib.contextmanager
 def forced_on(device_type, *names):
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            stack.enter_context(families.declared_fast(name, device_type))
-        yield
+    """``forced``: force_fast holds on every device where the families declare a kernel or rewrite."""
+    return forced(*names)
 
 
 @pytest.mark.slow
@@ -421,7 +426,7 @@ def test_peft_fuse_lora_after_compiling_with_merged_projections_and_save_pretrai
 
 
 def _compiled_keep(case):
-    backend = MindieSDBackend(CompilationConfig(cache_dir=None, strict=True), keep_graphs=True)
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None, strict=True), keep_graphs=True, force_fast=FORCED)
     torch._dynamo.reset()
     backend.compiled = torch.compile(case.model, backend=backend)
     with torch.no_grad(), warnings.catch_warnings():

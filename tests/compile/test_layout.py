@@ -241,7 +241,8 @@ def test_rule_matches_eager_sequences(name):
 @pytest.mark.parametrize("implementation", ["composition", "cpp"])
 def test_conform_gives_every_cpu_kernel_the_rule(implementation, op, name):
     """The raw kernels write contiguous outputs; behind ``conform`` each returns the rule's strides and values."""
-    from mindiesd.ops import _cpp_kernels, _cpu, reference
+    from mindiesd.ops import reference
+    from mindiesd.ops.kernels import cpp as _cpp_kernels, cpu as _cpu
 
     if implementation == "cpp":
         if not _cpp_kernels.enabled():
@@ -268,9 +269,9 @@ class _Positional:
 
 def test_a_registered_device_kernel_gets_the_layout(monkeypatch):
     """Any kernel registered for a device (Triton, torch_npu, a user's) is put behind the layout adapter."""
-    from mindiesd.ops import _library
+    from mindiesd.ops import registry
 
-    original = _library.DEVICE_KERNELS["cpu"]["fast_gelu"]
+    original = registry.DEVICE_KERNELS["cpu"]["fast_gelu"]
     calls = []
 
     def contiguous_only(x):
@@ -278,11 +279,11 @@ def test_a_registered_device_kernel_gets_the_layout(monkeypatch):
         return F.gelu(x.contiguous(), approximate="tanh")
 
     try:
-        _library.register_device_kernel("fast_gelu", "cpu", contiguous_only)
+        registry.register_device_kernel("fast_gelu", "cpu", contiguous_only)
         x = layout("transposed")
         out = torch.ops.mindiesd.fast_gelu(x)
         assert calls == [True]  # the adapter handed the kernel x in its memory order: no copy
         assert out.stride() == x.stride()
         torch.testing.assert_close(out, F.gelu(x, approximate="tanh"))
     finally:
-        _library.register_device_kernel("fast_gelu", "cpu", original)
+        registry.register_device_kernel("fast_gelu", "cpu", original)

@@ -8,7 +8,6 @@ graph loaded from the persistent cache (weights are inputs, not part of the entr
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 
 from fusion_utils import FAMILIES  # noqa: E402
-from mindiesd import families, zoo  # noqa: E402
+from mindiesd import zoo  # noqa: E402
 from mindiesd.compilation import (  # noqa: E402
     CompilationConfig,
     MindieSDBackend,
@@ -60,10 +59,7 @@ def _run(fn):
 def test_lora_hotswap_takes_effect_in_the_compiled_model_without_recompiling(name, variant, merged, tmp_path):
     """With ``merged``, q/k/v (and their LoRA A matrices) run as one matmul over a folded concatenation, which
     the hot-swap's in-place writes must refold."""
-    with contextlib.ExitStack() as stack:
-        if merged:
-            stack.enter_context(families.declared_fast("merge_projections", "cpu"))
-        _hotswap(name, variant, merged, tmp_path)
+    _hotswap(name, variant, merged, tmp_path)
 
 
 def _hotswap(name, variant, merged, tmp_path):
@@ -74,6 +70,7 @@ def _hotswap(name, variant, merged, tmp_path):
     first_eager = _run(lambda: model(**inputs))
 
     settings = {}
+    force = ("merge_projections",) if merged else ()
     if variant == "captured":
         simulator = SimulatedGraphAdapter()
         register_adapter("cpu", lambda device: simulator)
@@ -81,10 +78,10 @@ def _hotswap(name, variant, merged, tmp_path):
     if variant == "cached":
         settings["cache_dir"] = str(tmp_path)
         torch._dynamo.reset()
-        warm = torch.compile(model, backend=MindieSDBackend(CompilationConfig(**settings)))
+        warm = torch.compile(model, backend=MindieSDBackend(CompilationConfig(**settings), force_fast=force))
         _run(lambda: warm(**inputs))  # stores the entry the compile below loads
     torch._dynamo.reset()
-    backend = MindieSDBackend(CompilationConfig(**settings))
+    backend = MindieSDBackend(CompilationConfig(**settings), force_fast=force)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusion_utils import FAMILIES, TOLERANCE, count_fused, spec_counts
-from mindiesd.families import GEMM_FAMILIES
+from mindiesd.compilation.families import GEMM_FAMILIES
 from mindiesd import zoo
 from mindiesd.compilation import MindieSDBackend, MindieSDFallbackWarning
 

@@ -22,7 +22,7 @@ pytest.importorskip("diffusers")
 from mindiesd import zoo  # noqa: E402
 from mindiesd.benchmarks import pipeline as bench_pipeline  # noqa: E402
 from mindiesd.__main__ import build_parser, main  # noqa: E402
-from mindiesd.families import SPEC_FAMILIES as FAMILIES  # noqa: E402
+from mindiesd.compilation.families import SPEC_FAMILIES as FAMILIES  # noqa: E402
 from mindiesd.compilation import MindieSDFallbackWarning  # noqa: E402
 
 #: fp32: max |compiled - eager| / max |eager| of the final latents and of the decoded output.

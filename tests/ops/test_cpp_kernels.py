@@ -1,4 +1,4 @@
-"""Tests of the single-pass C++ CPU kernels (mindiesd/ops/_cpp), their build (_cpp_build) and their fallback.
+"""Tests of the single-pass C++ CPU kernels (mindiesd/ops/_cpp), their build (kernels/cpp_build.py) and their fallback.
 
 The first test that needs the kernels builds them (about a minute, once per
 machine: later runs load the cached build).
@@ -22,8 +22,11 @@ import torch
 import torch.nn.functional as F
 
 import mindiesd.ops as ops
-from mindiesd.ops import _cpp_build, _cpp_kernels, _cpu, _library, reference
-from mindiesd.ops._rules import adalayernorm_rules, rms_norm_rules, rope_rules
+from mindiesd.ops import registry, reference
+from mindiesd.ops.kernels import cpp_build as _cpp_build, cpp as _cpp_kernels, cpu as _cpu
+from mindiesd.ops.defs.adalayernorm import adalayernorm_rules
+from mindiesd.ops.defs.rms_norm import rms_norm_rules
+from mindiesd.ops.defs.rope import rope_rules
 
 OPS = torch.ops.mindiesd
 TOLERANCES = {
@@ -120,7 +123,7 @@ def leading_shape(rank):
 @requires_enabled
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_cpp_wrappers_are_the_cpu_kernels(name):
-    assert _library.DEVICE_KERNELS["cpu"][name] is _cpp_kernels.KERNELS[name]
+    assert registry.DEVICE_KERNELS["cpu"][name] is _cpp_kernels.KERNELS[name]
 
 
 @pytest.mark.parametrize("name", OP_NAMES)
@@ -562,8 +565,9 @@ def test_import_does_not_build():
         """
         import sys
         import mindiesd.ops
-        from mindiesd.ops import _cpp_build, _cpp_kernels, _library
-        assert _library.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpp_kernels.KERNELS["rms_norm"]  # installed
+        from mindiesd.ops import registry
+        from mindiesd.ops.kernels import cpp_build as _cpp_build, cpp as _cpp_kernels
+        assert registry.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpp_kernels.KERNELS["rms_norm"]  # installed
         assert not _cpp_build._resolved  # but not built or loaded
         assert "torch.utils.cpp_extension" not in sys.modules
         print("ok")
@@ -598,8 +602,9 @@ def test_disabled_by_environment():
         """
         import torch
         import mindiesd.ops
-        from mindiesd.ops import _cpu, _library
-        assert _library.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpu.KERNELS["rms_norm"]
+        from mindiesd.ops import registry
+        from mindiesd.ops.kernels import cpu as _cpu
+        assert registry.DEVICE_KERNELS["cpu"]["rms_norm"] is _cpu.KERNELS["rms_norm"]
         assert not mindiesd.ops.build_cpu_kernels()
         x = torch.randn(3, 8)
         torch.testing.assert_close(torch.ops.mindiesd.fast_gelu.default(x),

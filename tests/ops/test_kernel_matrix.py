@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindiesd import families
-from mindiesd.ops import _cpu, reference
+from mindiesd.compilation import families
+from mindiesd.ops import reference
+from mindiesd.ops.kernels import cpu as _cpu
 from mindiesd.ops._layout import conform, output_layout
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -92,7 +93,7 @@ CASES = {
 
 # ---------------------------------------------------------------------------------------------- implementations
 def _cpp(op):
-    from mindiesd.ops import _cpp_build, _cpp_kernels
+    from mindiesd.ops.kernels import cpp_build as _cpp_build, cpp as _cpp_kernels
 
     if not _cpp_build.enabled():
         pytest.skip(f"C++ kernels are disabled by {_cpp_build.ENABLE_ENV}={os.environ.get(_cpp_build.ENABLE_ENV)}")
@@ -105,7 +106,7 @@ def _triton(op):
     if not IN_INTERPRETER:
         pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_triton_column_in_the_interpreter")
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from mindiesd.ops import _triton
+    from mindiesd.ops.kernels import triton as _triton
 
     return _triton.KERNELS[op]
 
@@ -114,7 +115,7 @@ def _triton(op):
 def stand_in_npu(monkeypatch):
     from test_npu_mapping import StandInTorchNpu
 
-    from mindiesd.ops import _npu
+    from mindiesd.ops.kernels import npu as _npu
 
     module = StandInTorchNpu()
     monkeypatch.setitem(sys.modules, "torch_npu", module)
@@ -139,16 +140,18 @@ def _kernel(implementation, op, request):
         kernel = _triton(op)
     else:
         request.getfixturevalue("stand_in_npu")
-        from mindiesd.ops import _npu
+        from mindiesd.ops.kernels import npu as _npu
 
         kernel = _npu.KERNELS[op]
     return conform(op, kernel)
 
 
 def _declared(implementation, op):
-    kernels = families.FAMILIES[op].kernels
+    kernels = families.FAMILIES[op].declared
     if implementation == "cpp":
-        return "cpu" in kernels and bool(kernels["cpu"].native)
+        from mindiesd.ops.kernels import cpp as _cpp_kernels
+
+        return "cpu" in kernels and op in _cpp_kernels.KERNELS
     device = {"composition": "cpu", "triton": "cuda", "npu": "npu"}[implementation]
     return device in kernels
 
@@ -180,7 +183,7 @@ def test_every_op_has_cases():
 
 
 def test_every_declared_kernel_is_in_the_matrix():
-    declared = {device for family in families.FAMILIES.values() for device in family.kernels}
+    declared = {device for family in families.FAMILIES.values() for device in family.declared}
     assert declared == {"cpu", "cuda", "npu"}, "a new device needs its column in IMPLEMENTATIONS"
 
 

@@ -1,4 +1,4 @@
-"""Tests of the Ascend mapping (mindiesd/ops/_npu.py) with a stand-in torch_npu.
+"""Tests of the Ascend mapping (mindiesd/ops/kernels/npu.py) with a stand-in torch_npu.
 
 No NPU (and no PrivateUse1 backend) exists here, so the mapping functions
 are called directly on CPU tensors, with a ``torch_npu`` module put into
@@ -16,7 +16,8 @@ import types
 import pytest
 import torch
 
-from mindiesd.ops import _library, _npu, reference
+from mindiesd.ops import registry, reference
+from mindiesd.ops.kernels import npu as _npu
 
 A2_SOC_VERSION = 223  # Ascend910B3
 A3_SOC_VERSION = 250  # Ascend910_9391
@@ -384,8 +385,8 @@ def recorded_registrations(monkeypatch):
         calls.append((name, device_type, kernel))
         device_kernels.setdefault(device_type, {})[name] = kernel
 
-    monkeypatch.setattr(_library, "register_device_kernel", record)
-    monkeypatch.setattr(_library, "DEVICE_KERNELS", device_kernels)
+    monkeypatch.setattr(registry, "register_device_kernel", record)
+    monkeypatch.setattr(registry, "DEVICE_KERNELS", device_kernels)
     return calls
 
 
@@ -394,7 +395,7 @@ def test_register_binds_all_ops_to_npu(npu, recorded_registrations):
     assert sorted(name for name, _, _ in recorded_registrations) == sorted(_npu.KERNELS)
     assert {device for _, device, _ in recorded_registrations} == {"npu"}
     assert all(kernel is _npu.KERNELS[name] for name, _, kernel in recorded_registrations)
-    assert _library.DISPATCH_KEYS["npu"] == "PrivateUse1"
+    assert registry.DISPATCH_KEYS["npu"] == "PrivateUse1"
     assert _npu.register() is True
     assert len(recorded_registrations) == len(_npu.KERNELS)  # second call: nothing new
 
@@ -410,4 +411,4 @@ def test_import_registers_no_npu_kernels_without_torch_npu():
 
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed")
-    assert "npu" not in _library.DEVICE_KERNELS
+    assert "npu" not in registry.DEVICE_KERNELS

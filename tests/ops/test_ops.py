@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import mindiesd.ops as ops
-from mindiesd.ops import _cpu, _library, reference
+from mindiesd.ops import registry, reference
+from mindiesd.ops.kernels import cpu as _cpu
 
 OPS = torch.ops.mindiesd
 
@@ -85,19 +86,19 @@ def test_opcheck(name, make_args):
     torch.library.opcheck(getattr(OPS, name).default, make_args())
 
 
-@pytest.mark.parametrize("name", sorted(_library.SCHEMAS))
+@pytest.mark.parametrize("name", sorted(registry.SCHEMAS))
 def test_registered_kernels(name):
     qualname = f"mindiesd::{name}"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU")
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")
-    assert name in _library.DEVICE_KERNELS["cpu"]
-    assert str(getattr(OPS, name).default._schema) == f"mindiesd::{_library.SCHEMAS[name]}"
+    assert name in registry.DEVICE_KERNELS["cpu"]
+    assert str(getattr(OPS, name).default._schema) == f"mindiesd::{registry.SCHEMAS[name]}"
 
 
 def test_reload_does_not_register_twice():
-    library = _library.LIBRARY
-    importlib.reload(_library)
-    assert _library.LIBRARY is library
+    library = registry.LIBRARY
+    importlib.reload(registry)
+    assert registry.LIBRARY is library
     x = randn(2, 16)
     torch.testing.assert_close(OPS.rms_norm.default(x, None, 1e-6), reference.rms_norm(x))
 

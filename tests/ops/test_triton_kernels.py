@@ -1,4 +1,4 @@
-"""Tests of the Triton kernels (mindiesd/ops/_triton.py) in Triton's interpreter.
+"""Tests of the Triton kernels (mindiesd/ops/kernels/triton.py) in Triton's interpreter.
 
 The kernels run on CPU tensors with TRITON_INTERPRET=1.  Triton fixes that
 mode when it is first imported (its own library functions are decorated
@@ -29,8 +29,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from mindiesd.ops import _library, reference  # noqa: E402
-from mindiesd.ops import _triton as kernels  # noqa: E402
+from mindiesd.ops import registry, reference  # noqa: E402
+from mindiesd.ops.kernels import triton as kernels  # noqa: E402
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not IN_INTERPRETER else "cpu"
@@ -287,15 +287,15 @@ test_kernels_in_interpreter.__test__ = not IN_INTERPRETER
 
 def test_register_needs_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr(_library, "register_device_kernel", lambda *args: calls.append(args))
+    monkeypatch.setattr(registry, "register_device_kernel", lambda *args: calls.append(args))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert kernels.register() is False
     assert calls == []
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_library, "DEVICE_KERNELS", {})
+    monkeypatch.setattr(registry, "DEVICE_KERNELS", {})
     assert kernels.register() is True
-    assert sorted(name for name, _, _ in calls) == sorted(_library.SCHEMAS)
+    assert sorted(name for name, _, _ in calls) == sorted(registry.SCHEMAS)
     assert {device for _, device, _ in calls} == {"cuda"}
     assert all(kernel is kernels.KERNELS[name] for name, _, kernel in calls)
 
@@ -308,8 +308,8 @@ def test_import_does_not_load_triton_without_cuda():
         import mindiesd.ops
         assert not torch.cuda.is_available()
         assert "triton" not in sys.modules, "triton was imported"
-        assert "mindiesd.ops._triton" not in sys.modules
-        assert "cuda" not in mindiesd.ops._library.DEVICE_KERNELS
+        assert "mindiesd.ops.kernels.triton" not in sys.modules
+        assert "cuda" not in mindiesd.ops.registry.DEVICE_KERNELS
         print("ok")
         """
     )
@@ -324,7 +324,7 @@ def test_import_does_not_load_triton_without_cuda():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 def test_cuda_tensors_dispatch_to_the_triton_kernels():
-    assert _library.DEVICE_KERNELS["cuda"] == kernels.KERNELS
+    assert registry.DEVICE_KERNELS["cuda"] == kernels.KERNELS
     x, weight = randn(4, 96), randn(96, seed=1)
     out = torch.ops.mindiesd.rms_norm.default(x, weight, 1e-6)
     torch.testing.assert_close(out, kernels.rms_norm(x, weight, 1e-6), rtol=0, atol=0)

@@ -144,13 +144,13 @@ def test_settings_table_lists_every_setting():
 
 # ---------------------------------------------------------------------------------------------- family registry
 def test_switches_and_passes_come_from_the_family_registry():
-    from mindiesd import families
+    from mindiesd.compilation import families
     from mindiesd.compilation.config import FAMILY_SWITCHES
     from mindiesd.compilation.passes import PASSES
-    from mindiesd.ops import _library
+    from mindiesd.ops import registry
 
     assert list(families.FAMILIES) == list(PASSES) == list(FAMILY_SWITCHES)
-    assert list(_library.SCHEMAS) == list(families.OP_FAMILIES) == [n for n in families.FAMILIES if n != "merge_projections"]
+    assert list(registry.SCHEMAS) == list(families.OP_FAMILIES) == [n for n in families.FAMILIES if n != "merge_projections"]
     assert [families.FAMILIES[n].switch for n in families.SPEC_FAMILIES] == SPEC_SWITCHES
     assert families.GEMM_FAMILIES == ("merge_projections", "linear_gelu")
     settings = {name: (default, doc) for name, default, doc in CompilationConfig.settings()}
@@ -158,7 +158,7 @@ def test_switches_and_passes_come_from_the_family_registry():
         assert PASSES[name].family == name
         assert settings[f"fusion_patterns.{fam.switch}"] == (True, fam.doc)
         if fam.has_op:
-            assert _library.SCHEMAS[name].startswith(f"{name}(")
+            assert registry.SCHEMAS[name].startswith(f"{name}(")
             assert str(getattr(torch.ops.mindiesd, name).default._schema) == f"mindiesd::{fam.schema}"
         else:
             assert not hasattr(torch.ops.mindiesd, name) and fam.stage == "freeze"
@@ -166,34 +166,65 @@ def test_switches_and_passes_come_from_the_family_registry():
 
 def test_family_skipped_where_its_kernel_is_not_faster_than_eager(monkeypatch):
     from mindiesd.compilation.pass_manager import PassManager, skip_reason
-    from mindiesd.ops import _library, _npu
+    from mindiesd.ops import registry
+    from mindiesd.ops.kernels import npu as _npu
 
-    monkeypatch.setitem(_library.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
+    monkeypatch.setitem(registry.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
     manager = PassManager(list(FAMILY_SWITCHES_ORDER), "npu")
     assert sorted(manager.skipped) == ["adalayernorm", "fast_gelu", "mul_add"]
     assert "reference composition" in manager.skipped["adalayernorm"]
     assert [p.family for p in manager.passes] == ["rms_norm", "rope"]
     # a kernel the user registers in place of the declared one counts as fast
-    monkeypatch.setitem(_library.DEVICE_KERNELS["npu"], "mul_add", lambda x, y, z: x * y + z)
+    monkeypatch.setitem(registry.DEVICE_KERNELS["npu"], "mul_add", lambda x, y, z: x * y + z)
     assert skip_reason("mul_add", "npu") is None
-    monkeypatch.setitem(_library.DEVICE_KERNELS, "cuda", {})
+    monkeypatch.setitem(registry.DEVICE_KERNELS, "cuda", {})
     assert "not registered" in skip_reason("rope", "cuda")
     assert "no rope kernel for mps" in skip_reason("rope", "mps")
     assert all(skip_reason(name, "cpu") is None for name in FAMILY_SWITCHES_ORDER)
 
 
-def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
-    import dataclasses
+def test_force_counts_a_family_as_fast_only_where_it_declares_something(monkeypatch):
+    from mindiesd.compilation.pass_manager import PassManager, skip_reason
+    from mindiesd.ops import registry
+    from mindiesd.ops.kernels import npu as _npu
 
+    monkeypatch.setitem(registry.DEVICE_KERNELS, "npu", dict(_npu.KERNELS))
+    manager = PassManager(list(FAMILY_SWITCHES_ORDER), "npu", force={"mul_add"})
+    assert sorted(manager.skipped) == ["adalayernorm", "fast_gelu"]
+    assert skip_reason("merge_projections", "cpu", force={"merge_projections"}) is None
+    assert "no rope kernel for mps" in skip_reason("rope", "mps", force={"rope"})
+    with pytest.raises(ValueError, match="unknown fusion family"):
+        skip_reason("rope", "cpu", force={"no_such_family"})
+
+
+def test_ops_never_import_compilation():
+    import ast
+    import pathlib
+
+    import mindiesd.ops
+
+    root = pathlib.Path(mindiesd.ops.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert "compilation" not in name and "bench" not in name, f"{path.relative_to(root)} imports {name}"
+
+
+def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
     import torch.nn.functional as F
 
-    from mindiesd import families
     from mindiesd.compilation import MindieSDBackend
+    from mindiesd.ops.defs import FAST_GELU
+    from mindiesd.ops.registry import DeviceKernel
 
-    gelu = families.FAMILIES["fast_gelu"]
-    slow = dataclasses.replace(gelu, kernels={**gelu.kernels, "cpu": families.Kernel("mindiesd.ops._cpu:fast_gelu",
-                                                                                    fast=False, note="too slow")})
-    monkeypatch.setitem(families.FAMILIES, "fast_gelu", slow)
+    slow = DeviceKernel(fast=False, note="too slow", fns=(_cpu_composition("fast_gelu"),))
+    monkeypatch.setitem(FAST_GELU.kernels, "cpu", slow)
     monkeypatch.setitem(_cpu_registry(), "fast_gelu", _cpu_composition("fast_gelu"))
     backend = MindieSDBackend(keep_graphs=True)
     compiled = torch.compile(lambda x: F.gelu(F.rms_norm(x, [8]), approximate="tanh"), backend=backend)
@@ -209,12 +240,12 @@ FAMILY_SWITCHES_ORDER = ("rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_a
 
 
 def _cpu_registry():
-    from mindiesd.ops import _library
+    from mindiesd.ops import registry
 
-    return _library.DEVICE_KERNELS["cpu"]
+    return registry.DEVICE_KERNELS["cpu"]
 
 
 def _cpu_composition(name):
-    from mindiesd.ops import _cpu
+    from mindiesd.ops.kernels import cpu as _cpu
 
     return _cpu.KERNELS[name]

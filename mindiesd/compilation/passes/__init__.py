@@ -1,17 +1,26 @@
-"""The fusion passes, one per family, in the order of :data:`mindiesd.families.FAMILIES` (which says why)."""
+"""The fusion passes, one per family, in the order of :data:`mindiesd.compilation.families.FAMILIES` (which
+says why)."""
 
 from __future__ import annotations
 
 from typing import Dict, Type
 
-from ...families import FAMILIES, resolve
+from ..families import FAMILIES
+from .adalayernorm import AdaLayerNormPass
 from .base import FusionPass, Rule
+from .fast_gelu import FastGeluPass
+from .linear_gelu import LinearGeluPass
+from .merge_projections import MergeProjectionsPass
+from .mul_add import MulAddPass
+from .rms_norm import RMSNormPass
+from .rope import RoPEPass
+
+_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, AdaLayerNormPass,
+                                        LinearGeluPass, FastGeluPass, MulAddPass)}
+if set(_CLASSES) != set(FAMILIES):
+    raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")
 
 #: Family name -> pass class, in run order.
-PASSES: Dict[str, Type[FusionPass]] = {name: resolve(family.fusion_pass) for name, family in FAMILIES.items()}
-
-for _name, _cls in PASSES.items():
-    if _cls.family != _name:
-        raise RuntimeError(f"the pass of family {_name!r} ({_cls.__name__}) says it is {_cls.family!r}")
+PASSES: Dict[str, Type[FusionPass]] = {name: _CLASSES[name] for name in FAMILIES}
 
 __all__ = ["PASSES", "FusionPass", "Rule"]

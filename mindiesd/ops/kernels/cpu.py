@@ -19,17 +19,47 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..families import device_kernels
-from . import reference
-from ._rules import (
-    REDUCED_FLOAT_DTYPES,
-    adalayernorm_rules,
-    fast_gelu_rules,
-    mul_add_rules,
-    promote,
-    rms_norm_rules,
-    rope_rules,
-)
+from .. import reference, registry
+from .._rules import REDUCED_FLOAT_DTYPES, promote
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.adalayernorm import adalayernorm_rules
+from ..defs.fast_gelu import fast_gelu_rules
+from ..defs.mul_add import mul_add_rules
+from ..defs.rms_norm import rms_norm_rules
+from ..defs.rope import rope_rules
+
+def _without_autograd(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Run ``kernel`` with grad mode off.
+
+    The ops have no autograd formula; a direct call on tensors that require
+    grad would otherwise fail inside the ``out=`` ops.  This makes the CPU
+    kernel behave like the reference kernel does on other devices.
+    """
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return kernel(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return run
+
+
+#: Op name -> CPU kernel, as registered (each op's composition here, linear_gelu's in ``gemm``).
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def cpu_kernel(op: registry.OpDef, *, fast: bool = True, note: str = "C++ kernel, or an aten composition"):
+    """Decorator: register the function, run without autograd, as ``op``'s CPU kernel (the C++ kernel of
+    ``cpp`` replaces it where the extension is enabled)."""
+
+    def decorate(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        registry.kernel(op, "cpu", fast=fast, note=note, into=KERNELS)(_without_autograd(kernel))
+        return kernel
+
+    return decorate
+
 
 # Batch slices up to which 16-bit adalayernorm runs one affine layer_norm per
 # slice instead of layer_norm on a float32 copy followed by a modulation.
@@ -52,6 +82,7 @@ def _finish(result: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return result if result.dtype == out_dtype else result.to(out_dtype)
 
 
+@cpu_kernel(RMS_NORM)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -97,6 +128,7 @@ def _complex_viewable(values: torch.Tensor) -> bool:
     )
 
 
+@cpu_kernel(ROPE)
 def rope(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -171,6 +203,7 @@ def _rows(table: torch.Tensor, x_shape: torch.Size, leading: int) -> torch.Tenso
     return per_slice.expand(*x_shape[:leading], x_shape[-1]).reshape(-1, x_shape[-1])
 
 
+@cpu_kernel(ADALAYERNORM)
 def adalayernorm(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -215,6 +248,7 @@ def adalayernorm(
     return _finish(out, out_dtype)
 
 
+@cpu_kernel(FAST_GELU)
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     """aten's tanh GELU kernel (computes 16-bit input in float32 internally)."""
     out_dtype, _ = fast_gelu_rules(x)
@@ -222,6 +256,7 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu.out(x, approximate="tanh", out=out)
 
 
+@cpu_kernel(MUL_ADD)
 def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """One addcmul kernel; 16-bit math runs in float32 inside it.
 
@@ -241,25 +276,3 @@ def mul_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         mul_add_rules(x, y, z)
         raise
     return out if out.is_contiguous() else out.contiguous()
-
-
-def _without_autograd(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Run ``kernel`` with grad mode off.
-
-    The ops have no autograd formula; a direct call on tensors that require
-    grad would otherwise fail inside the ``out=`` ops.  This makes the CPU
-    kernel behave like the reference kernel does on other devices.
-    """
-
-    @functools.wraps(kernel)
-    def run(*args, **kwargs):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return kernel(*args, **kwargs)
-        return kernel(*args, **kwargs)
-
-    return run
-
-
-#: Op name -> CPU kernel, for the families that declare one here (mindiesd.families).
-KERNELS = {name: _without_autograd(kernel) for name, kernel in device_kernels("cpu").items()}

@@ -16,9 +16,15 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._rules import linear_gelu_rules
+from .. import registry
+from .cpu import cpu_kernel
+from ..defs import LINEAR_GELU
+from ..defs.linear_gelu import linear_gelu_rules
 
-__all__ = ["linear_gelu_cpu", "linear_gelu_cuda", "epilogue_is_tanh_gelu"]
+__all__ = ["linear_gelu_cpu", "linear_gelu_cuda", "epilogue_is_tanh_gelu", "CUDA_KERNELS"]
+
+#: Op name -> CUDA kernel; registered with the Triton kernels where CUDA and Triton exist (``triton.register``).
+CUDA_KERNELS: dict = {}
 
 #: (device, dtype) -> whether torch._addmm_activation's GELU epilogue is tanh-GELU there.
 _EPILOGUE_OK: Dict[Tuple[str, torch.dtype], bool] = {}
@@ -52,6 +58,9 @@ def epilogue_is_tanh_gelu(device: torch.device, dtype: torch.dtype) -> bool:
     return known
 
 
+@registry.kernel(LINEAR_GELU, "cuda", fast=False, into=CUDA_KERNELS, register=False,
+                 note="cuBLASLt's GELU epilogue (torch._addmm_activation), not measured on a GPU yet "
+                      "(bench/gpu_check.sh measures it)")
 def linear_gelu_cuda(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     linear_gelu_rules(x, weight, bias)
     x2d = _rows(x)
@@ -62,6 +71,8 @@ def linear_gelu_cuda(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@cpu_kernel(LINEAR_GELU, fast=False,
+            note="oneDNN's tanh-GELU post-op, slower than the GEMM + the fast_gelu kernel here (measured)")
 def linear_gelu_cpu(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     linear_gelu_rules(x, weight, bias)
     x2d = _rows(x)

@@ -33,14 +33,22 @@ import math
 
 import torch
 
-from ..families import device_kernels
-from . import reference
-from ._library import register_device_kernels
-from ._rules import promote, rms_norm_rules, rope_rules
+from .. import reference, registry
+from .._rules import promote
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.rms_norm import rms_norm_rules
+from ..defs.rope import rope_rules
 
 __all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "npu"
+
+#: Op name -> NPU kernel (declared at import, registered by :func:`register` where torch_npu exists).
+KERNELS: dict = {}
+
+
+def _npu_kernel(op: registry.OpDef, note: str, fast: bool = True):
+    return registry.kernel(op, DEVICE_TYPE, fast=fast, note=note, into=KERNELS, register=False)
 
 # Dtypes the torch_npu fused kernels accept.
 NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -122,6 +130,7 @@ def rms_norm_gamma(
     return weight.reshape(width).to(x.dtype)
 
 
+@_npu_kernel(RMS_NORM, "npu_rms_norm where it computes the same function")
 def rms_norm(x, weight, eps, out_dtype=None):
     """npu_rms_norm where it computes this function, else the reference."""
     out_dtype, _ = rms_norm_rules(x, weight, out_dtype)
@@ -225,6 +234,7 @@ def rotary_mul_args(
     return _widen(cos, width, interleaved), _widen(sin, width, interleaved), mode
 
 
+@_npu_kernel(ROPE, "npu_rotary_mul where it computes the same function")
 def rope(x, cos, sin, interleaved, out_dtype=None):
     """npu_rotary_mul where it computes this function, else the reference."""
     out_dtype, _ = rope_rules(x, cos, sin, out_dtype)
@@ -245,23 +255,22 @@ def rope(x, cos, sin, interleaved, out_dtype=None):
 # ----------------------------------------------------------------------------
 
 
+@_npu_kernel(ADALAYERNORM, "no torch_npu kernel: the fp32 reference composition", fast=False)
 def adalayernorm(x, scale, shift, eps, out_dtype=None):
     """Reference composition (no torch_npu binding computes this function)."""
     return reference.adalayernorm(x, scale, shift, eps, out_dtype)
 
 
+@_npu_kernel(FAST_GELU, "npu_fast_gelu is another function: the reference composition", fast=False)
 def fast_gelu(x):
     """Reference tanh GELU; never npu_fast_gelu, which is x * sigmoid(1.702 x)."""
     return reference.fast_gelu(x)
 
 
+@_npu_kernel(MUL_ADD, "no torch_npu kernel: the fp32 reference composition", fast=False)
 def mul_add(x, y, z):
     """Reference composition: x * y + z computed in float32 for 16-bit inputs."""
     return reference.mul_add(x, y, z)
-
-
-#: Op name -> NPU kernel, for the families that declare one for "npu" (mindiesd.families).
-KERNELS = device_kernels(DEVICE_TYPE)
 
 
 def register() -> bool:
@@ -274,5 +283,5 @@ def register() -> bool:
         _torch_npu()
     except ImportError:
         return False
-    register_device_kernels(DEVICE_TYPE, KERNELS)
+    registry.register_device_kernels(DEVICE_TYPE, KERNELS)
     return True

@@ -23,20 +23,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ..families import device_kernels
-from . import reference
-from ._library import register_device_kernels
-from ._rules import (
-    adalayernorm_rules,
-    fast_gelu_rules,
-    mul_add_rules,
-    rms_norm_rules,
-    rope_rules,
-)
+from .. import reference, registry
+from . import gemm
+from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.adalayernorm import adalayernorm_rules
+from ..defs.fast_gelu import fast_gelu_rules
+from ..defs.mul_add import mul_add_rules
+from ..defs.rms_norm import rms_norm_rules
+from ..defs.rope import rope_rules
 
 __all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "cuda"
+
+#: Op name -> CUDA kernel: the Triton kernels and the GEMM epilogue of ``gemm`` (registered by :func:`register`).
+KERNELS: dict = dict(gemm.CUDA_KERNELS)
+
+
+def _triton_kernel(op: registry.OpDef):
+    return registry.kernel(op, DEVICE_TYPE, note="Triton", into=KERNELS, register=False)
 
 # Index dims a kernel decomposes a flat (row or element) index into.
 MAX_DIMS = 4
@@ -393,6 +398,7 @@ def _launch_rms_norm(out, compute, x, weight, eps):
     )
 
 
+@_triton_kernel(RMS_NORM)
 def rms_norm(x, weight, eps, out_dtype=None):
     """RMS norm over the last dim; one program per row."""
     out_dtype, work_dtype = rms_norm_rules(x, weight, out_dtype)
@@ -409,6 +415,7 @@ def _launch_adalayernorm(out, compute, x, scale, shift, eps):
     )
 
 
+@_triton_kernel(ADALAYERNORM)
 def adalayernorm(x, scale, shift, eps, out_dtype=None):
     """layer_norm(x) * (1 + scale) + shift over the last dim; one program per row."""
     out_dtype, work_dtype = adalayernorm_rules(x, scale, shift, out_dtype)
@@ -444,6 +451,7 @@ def _launch_rope(out, compute, x, cos, sin, interleaved):
     )
 
 
+@_triton_kernel(ROPE)
 def rope(x, cos, sin, interleaved, out_dtype=None):
     """Rotary embedding; a program rotates a tile of rows x pairs."""
     out_dtype, work_dtype = rope_rules(x, cos, sin, out_dtype)
@@ -465,6 +473,7 @@ def _launch_elementwise(kernel, out, compute, *operands):
     )
 
 
+@_triton_kernel(FAST_GELU)
 def fast_gelu(x):
     """Tanh-approximated GELU, elementwise through x's strides."""
     out_dtype, work_dtype = fast_gelu_rules(x)
@@ -472,15 +481,12 @@ def fast_gelu(x):
     return _run(x.shape, out_dtype, work_dtype, partial(reference.fast_gelu, x), launch, x)
 
 
+@_triton_kernel(MUL_ADD)
 def mul_add(x, y, z):
     """x * y + z; operands broadcast to the output through stride-0 views."""
     shape, out_dtype, work_dtype = mul_add_rules(x, y, z)
     launch = partial(_launch_elementwise, _mul_add_kernel)
     return _run(shape, out_dtype, work_dtype, partial(reference.mul_add, x, y, z), launch, x, y, z)
-
-
-#: Op name -> Triton kernel, for the families that declare one for "cuda" (mindiesd.families).
-KERNELS = device_kernels(DEVICE_TYPE)
 
 
 def register() -> bool:
@@ -492,5 +498,5 @@ def register() -> bool:
     """
     if not torch.cuda.is_available():
         return False
-    register_device_kernels(DEVICE_TYPE, KERNELS)
+    registry.register_device_kernels(DEVICE_TYPE, KERNELS)
     return True

@@ -10,7 +10,7 @@ first call of a CPU kernel, or by ``mindiesd.ops.build_cpu_kernels()``, never
 at import, into a cache folder that later processes reuse:
 
 * ``MINDIESD_CPP_CACHE``: cache folder (default ``~/.cache/mindiesd/cpp``).
-* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``_cpu.py``.
+* ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``cpu.py``.
 
 The build targets ATen's CPU capability of this machine
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or DEFAULT, plus
@@ -20,7 +20,7 @@ hash of every source and header name the cached build, so a build is only
 reused where it can run and only for the sources it was built from.  When no
 compiler or ninja is found or the build fails, one warning names the cause
 and :func:`extension` returns None.  The op wrappers that fall back to the
-composition kernels live in ``_cpp_kernels.py``.
+composition kernels live in ``cpp.py``.
 """
 
 from __future__ import annotations
@@ -36,22 +36,22 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
-
-from . import reference
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "enabled", "extension"]
 
 CACHE_ENV = "MINDIESD_CPP_CACHE"
 ENABLE_ENV = "MINDIESD_CPP_KERNELS"
-SOURCE_DIR = Path(__file__).with_name("_cpp")
+SOURCE_DIR = Path(__file__).parent.parent / "_cpp"
 # The compiled sources (one per op, the build and streaming settings, the bindings) and the headers they
-# include; build_name() hashes all of them.
-SOURCES = ("rms_norm.cpp", "rope.cpp", "adalayernorm.cpp", "fast_gelu.cpp", "mul_add.cpp", "common.cpp",
-           "bindings.cpp")
-HEADERS = ("kernels.h", "common.h")
+# include: every file of _cpp/; build_name() hashes all of them.
+SOURCES = tuple(sorted(path.name for path in SOURCE_DIR.glob("*.cpp")))
+HEADERS = tuple(sorted(path.name for path in SOURCE_DIR.glob("*.h")))
+#: Op name -> (declaration, sample arguments from self_check_tensors(), whether the entry point takes the
+#: resolved out_dtype last): the self-check of each C++ kernel, filled by ``cpp.native``.
+SELF_CHECKS: dict = {}
 # Wall time of the first build on a 2-core machine, for the progress line.
 ESTIMATED_BUILD_SECONDS = 30
 
@@ -211,27 +211,26 @@ def _configure(module: ModuleType) -> None:
         module.set_streaming_threshold(cache * 3 // 4)
 
 
-def _self_check(module: ModuleType) -> None:
-    """Compare each kernel with the reference on a small input (raises on mismatch)."""
+def self_check_tensors() -> SimpleNamespace:
+    """The small sample tensors the self-check's arguments are made of."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2, 40, generator=generator)
     w = torch.randn(40, generator=generator)
     scale, shift = torch.randn(3, 1, 40, generator=generator), torch.randn(40, generator=generator)
     cos, sin = torch.randn(2, 20, generator=generator), torch.randn(2, 20, generator=generator)
-    checks = {
-        "rms_norm": (module.rms_norm(x, w, 1e-6, torch.float32), reference.rms_norm(x, w, 1e-6)),
-        "adalayernorm": (
-            module.adalayernorm(x, scale, shift, 1e-6, torch.float32),
-            reference.adalayernorm(x, scale, shift, 1e-6),
-        ),
-        "rope": (module.rope(x, cos, sin, True, torch.float32), reference.rope(x, cos, sin, True)),
-        "fast_gelu": (module.fast_gelu(x), reference.fast_gelu(x)),
-        "mul_add": (module.mul_add(x, scale, w), reference.mul_add(x, scale, w)),
-    }
-    for op, (actual, expected) in checks.items():
+    return SimpleNamespace(x=x, w=w, scale=scale, shift=shift, cos=cos, sin=sin)
+
+
+def _self_check(module: ModuleType) -> None:
+    """Compare each kernel with the reference on a small input (raises on mismatch)."""
+    tensors = self_check_tensors()
+    for name, (op, sample, takes_out_dtype) in SELF_CHECKS.items():
+        args = sample(tensors)
+        actual = getattr(module, name)(*args, *((torch.float32,) if takes_out_dtype else ()))
+        expected = op.reference(*args)
         if actual is None or not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4):
             raise RuntimeError(
-                f"self-check of {op} failed: the built kernel disagrees with the reference"
+                f"self-check of {name} failed: the built kernel disagrees with the reference"
             )
 
 

@@ -1,0 +1,196 @@
+"""The fusion families: one declaration each, from which the config's switches, the pass order, the bench's
+columns and the tests' family lists are derived.
+
+A :class:`FusionFamily` names its switch (``enable_<name>`` in ``CompilationConfig.fusion_patterns``) and the
+switch's doc, the op it emits (the op's declaration in :mod:`mindiesd.ops.defs`, whose kernels say per device
+whether they beat eager) or none for a rewrite into aten ops (which then declares per device whether it gains),
+its stage and its group. The pass classes live in :mod:`mindiesd.compilation.passes`.
+
+Adding a family: its op module and kernels under ``mindiesd/ops/``, its pass
+(``mindiesd/compilation/passes/<name>.py``, listed in ``passes/__init__.py``), and one :class:`FusionFamily`
+below, in the position of its pass in the run order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+from ..ops import registry
+from ..ops.defs import ADALAYERNORM, FAST_GELU, LINEAR_GELU, MUL_ADD, RMS_NORM, ROPE
+
+__all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
+           "GEMM_FAMILIES", "OP_FAMILIES"]
+
+#: When a family's pass runs: ``fusion`` on the main graph after freezing (an op replaces an op sequence);
+#: ``freeze`` on the whole aten graph before it is split, so that what the rewrite computes from weights alone
+#: (a concatenated weight) is folded with the rest. A ``freeze`` family needs ``enable_freezing``.
+STAGES = ("freeze", "fusion")
+GROUPS = ("elementwise", "gemm")
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Whether a rewrite into aten ops beats the unrewritten graph on a device, and why (measured or not)."""
+
+    fast: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FusionFamily:
+    """One fusion family: a switch, the op it emits (or its per-device rewrite declarations), stage and group."""
+
+    name: str
+    doc: str
+    #: The op the pass emits; None for a rewrite that emits aten ops only.
+    op: Optional[registry.OpDef]
+    stage: str = "fusion"
+    #: ``elementwise`` (the specification's five families) or ``gemm`` (rewrites around the matrix products).
+    group: str = "elementwise"
+    #: For a family without an op: device type -> whether the rewrite gains there.
+    rewrites: Mapping[str, Rewrite] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"family {self.name!r}: stage must be one of {STAGES}, got {self.stage!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"family {self.name!r}: group must be one of {GROUPS}, got {self.group!r}")
+        if self.op is not None and (self.op.name != self.name or self.rewrites):
+            raise ValueError(f"family {self.name!r}: emits op {self.op.name!r}; only a rewrite declares rewrites")
+
+    @property
+    def switch(self) -> str:
+        """Its setting in ``CompilationConfig.fusion_patterns``."""
+        return f"enable_{self.name}"
+
+    @property
+    def has_op(self) -> bool:
+        """Whether the family emits an op of its own (``torch.ops.mindiesd.<name>``)."""
+        return self.op is not None
+
+    @property
+    def schema(self) -> str:
+        """The schema of its op; empty for a rewrite."""
+        return self.op.schema if self.op is not None else ""
+
+    @property
+    def declared(self) -> Mapping:
+        """Device type -> what is declared there: the op's kernels (``registry.DeviceKernel``) or the rewrites."""
+        return self.op.kernels if self.op is not None else self.rewrites
+
+
+#: Family name -> declaration, in the order the passes run. The ``freeze`` stage runs first (before the graph
+#: is split into fold and main graphs), then the ``fusion`` stage in this order. Order matters where forms
+#: overlap: RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
+#: sums apart; rms_norm runs first since its output feeds RoPE; linear_gelu runs before fast_gelu, which
+#: would otherwise take the GELU away from its matmul.
+FAMILIES: Dict[str, FusionFamily] = {
+    f.name: f
+    for f in (
+        FusionFamily(
+            name="merge_projections",
+            doc="Merge sibling linear layers that read the same input (Q/K/V, context K/V, Flux single blocks' "
+                "MLP input beside Q/K/V) into one matmul over the concatenated weight, folded at freeze time "
+                "(needs enable_freezing).",
+            op=None,
+            stage="freeze",
+            group="gemm",
+            # Measured with ``bench --model flux --size mid --vs inductor --force F --ablate``, each switch off in
+            # turn (README "GEMM rewrites"); off where no gain was measured, and where nothing was measured yet.
+            rewrites={
+                "cpu": Rewrite(False, "not faster than separate GEMMs on the CPUs measured "
+                                      "(2-core AMD EPYC, fp32: within noise)"),
+                "cuda": Rewrite(False, "not measured on a GPU yet (bench/gpu_check.sh measures it)"),
+                "npu": Rewrite(False, "not measured on an NPU yet"),
+            },
+        ),
+        FusionFamily(
+            name="rms_norm",
+            doc="Fuse RMSNorm (torch.nn.RMSNorm, F.rms_norm, diffusers RMSNorm).",
+            op=RMS_NORM,
+        ),
+        FusionFamily(
+            name="rope",
+            doc="Fuse rotary position embeddings (interleaved, half-rotated, Wan's strided, complex, 2x2 matrix).",
+            op=ROPE,
+        ),
+        FusionFamily(
+            name="adalayernorm",
+            doc="Fuse adaLN modulation: layer_norm(x) * (1 + scale) + shift.",
+            op=ADALAYERNORM,
+        ),
+        FusionFamily(
+            name="linear_gelu",
+            doc="Fuse a linear layer followed by tanh-GELU into one matmul with a GELU epilogue.",
+            op=LINEAR_GELU,
+            group="gemm",
+        ),
+        FusionFamily(
+            name="fast_gelu",
+            doc="Fuse tanh-approximated GELU (aten.gelu or the explicit formula).",
+            op=FAST_GELU,
+        ),
+        FusionFamily(
+            name="mul_add",
+            doc="Fuse x * y + z (incl. the residual gate x + gate * y).",
+            op=MUL_ADD,
+        ),
+    )
+}
+
+
+#: The specification's families (``fusion_patterns.enable_*`` of the spec), in run order.
+SPEC_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "elementwise")
+#: The rewrites around matrix products, in run order.
+GEMM_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "gemm")
+#: The families that emit an op of their own (``torch.ops.mindiesd.<name>``), in run order.
+OP_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.has_op)
+
+
+def family(name: str) -> FusionFamily:
+    """The declaration of family ``name`` (ValueError naming the known ones otherwise)."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown fusion family {name!r}; known: {list(FAMILIES)}") from None
+
+
+def forced(names: Collection[str], device_type: str) -> frozenset:
+    """``names`` as the families a run forces on ``device_type`` (``MindieSDBackend(force_fast=...)``);
+    ValueError for an unknown family or one that declares no kernel or rewrite there."""
+    for name in names:
+        declared = family(name).declared
+        if device_type not in declared:
+            raise ValueError(f"family {name!r} declares no kernel for {device_type!r} (declared: {sorted(declared)})")
+    return frozenset(names)
+
+
+def skip_reason(name: str, device_type: Optional[str], force: Collection[str] = ()) -> Optional[str]:
+    """Why family ``name`` is not fused for a graph on ``device_type``, or None when it is.
+
+    A fused op must not make the model slower: it needs a registered kernel on the device that is faster than
+    eager's sequence (the declared kernel when declared fast, or any kernel a user registered there). The
+    families in ``force`` count as faster than eager wherever they declare a kernel or rewrite (``bench
+    --force``, to measure one where it is off by default).
+    """
+    for other in force:
+        family(other)
+    declared_family = family(name)
+    if device_type is None or device_type == "meta":
+        return None
+    is_forced = name in force
+    declared = declared_family.declared.get(device_type)
+    if declared_family.op is None:
+        if declared is None:
+            return f"no {name} rewrite declared for {device_type}"
+        return None if declared.fast or is_forced else f"on {device_type}, {declared.note or 'not faster than eager'}"
+    registered = registry.DEVICE_KERNELS.get(device_type, {}).get(name)
+    if registered is None:
+        if declared is None:
+            return f"no {name} kernel for {device_type} (the reference composition is not faster than eager)"
+        return f"the {device_type} kernel ({declared.note or 'declared'}) is not registered: its runtime is missing"
+    if declared is not None and not declared.fast and not is_forced and declared.declares(registered):
+        return f"the {device_type} kernel is {declared.note or 'not faster than eager'}"
+    return None

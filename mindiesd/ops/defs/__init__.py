@@ -1,0 +1,10 @@
+"""The fused ops, one module each (checks, reference, declaration, public function), declared in family order."""
+
+from .rms_norm import RMS_NORM
+from .rope import ROPE
+from .adalayernorm import ADALAYERNORM
+from .linear_gelu import LINEAR_GELU
+from .fast_gelu import FAST_GELU
+from .mul_add import MUL_ADD
+
+__all__ = ["RMS_NORM", "ROPE", "ADALAYERNORM", "LINEAR_GELU", "FAST_GELU", "MUL_ADD"]
