@@ -23,6 +23,7 @@ import torch
 from fusion_utils import WeightedBlock, assert_close, count_fused
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
 from mindiesd.compilation import cache as graph_cache
+from mindiesd.compilation import config as config_module
 from mindiesd.compilation.cache import GraphCache, MindieSDCacheWarning
 
 
@@ -272,10 +273,10 @@ def test_cache_off(tmp_path, block, monkeypatch):
         torch.compile(model, backend=off)(x)
     assert _states(off) == ["off"]
     for value, expected in (("off", None), ("", None), ("0", None), (str(tmp_path / "env"), str(tmp_path / "env"))):
-        monkeypatch.setenv(graph_cache.ENV_VAR, value)
+        monkeypatch.setenv(config_module.ENV_VAR, value)
         CompilationConfig.reset()
         assert CompilationConfig.cache_dir == expected
-    monkeypatch.delenv(graph_cache.ENV_VAR)
+    monkeypatch.delenv(config_module.ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     CompilationConfig.reset()
     assert CompilationConfig.cache_dir == str(tmp_path / "xdg" / "mindiesd")
