@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Set
+from typing import Any, Callable, Collection, Dict, Optional, Sequence, Set
 
 from torch.fx import GraphModule, Node
 
@@ -21,12 +21,14 @@ log = logging.getLogger("mindiesd.compilation")
 __all__ = ["PassManager", "skip_reason"]
 
 
-def skip_reason(family: str, device_type: Optional[str]) -> Optional[str]:
+def skip_reason(family: str, device_type: Optional[str], force: Collection[str] = ()) -> Optional[str]:
     """Why ``family`` is not fused for a graph on ``device_type``, or None when it is.
 
     A fused op must not make the model slower: it needs a registered kernel on the device that is faster than
-    eager's sequence (the declared kernel with ``fast=True``, or any kernel a user registered there).
+    eager's sequence (the declared kernel with ``fast=True``, or any kernel a user registered there). A family in
+    ``force`` counts as faster wherever it has a kernel or rewrite (to measure it where it is declared slower).
     """
+    _check_known(force)
     if device_type is None or device_type == "meta":
         return None
     from mindiesd.ops import _library
@@ -35,15 +37,21 @@ def skip_reason(family: str, device_type: Optional[str]) -> Optional[str]:
     if not FAMILIES[family].has_op:  # a rewrite into aten ops: its declaration says whether it gains there
         if declared is None:
             return f"no {family} rewrite declared for {device_type}"
-        return None if declared.fast else f"on {device_type}, {declared.note or 'not faster than eager'}"
+        return None if declared.fast or family in force else f"on {device_type}, {declared.note or 'not faster than eager'}"
     registered = _library.DEVICE_KERNELS.get(device_type, {}).get(family)
     if registered is None:
         if declared is None:
             return f"no {family} kernel for {device_type} (the reference composition is not faster than eager)"
         return f"the {device_type} kernel ({declared.note or declared.target}) is not registered: its runtime is missing"
-    if declared is not None and not declared.fast and _is_declared(registered, declared):
+    if declared is not None and not declared.fast and family not in force and _is_declared(registered, declared):
         return f"the {device_type} kernel is {declared.note or 'not faster than eager'}"
     return None
+
+
+def _check_known(force: Collection[str]) -> None:
+    unknown = set(force) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown fusion families to force {sorted(unknown)}; known: {list(FAMILIES)}")
 
 
 def _is_declared(registered: Callable[..., Any], declared: Kernel) -> bool:
@@ -62,16 +70,17 @@ def _is_declared(registered: Callable[..., Any], declared: Kernel) -> bool:
 
 class PassManager:
     """The passes of ``families`` (names from :data:`PASSES`), run in :data:`PASSES` order, less those without a
-    fast kernel on ``device_type`` (:attr:`skipped`)."""
+    fast kernel on ``device_type`` (:attr:`skipped`; ``force``: families that count as fast, see :func:`skip_reason`)."""
 
-    def __init__(self, families: Sequence[str], device_type: Optional[str] = None):
+    def __init__(self, families: Sequence[str], device_type: Optional[str] = None, force: Collection[str] = ()):
         unknown = set(families) - set(PASSES)
         if unknown:
             raise ValueError(f"unknown fusion families {sorted(unknown)}; known: {list(PASSES)}")
+        _check_known(force)
         #: Enabled families left unfused on this device, with the reason.
         self.skipped: Dict[str, str] = {}
         for name in families:
-            reason = skip_reason(name, device_type)
+            reason = skip_reason(name, device_type, force)
             if reason is not None:
                 self.skipped[name] = reason
         chosen = [PASSES[name]() for name in PASSES if name in families and name not in self.skipped]
