@@ -102,16 +102,16 @@ class MindieSDBackend:
                 raise
             record.fallback = f"{type(exc).__name__}: {exc}"
             _warn_fallback(f"compiling graph {record.graph_id} failed ({record.fallback})")
-            compiled, result = gm.forward, None
+            compiled = gm.forward
             context = context or GraphContext.build(gm, example_inputs, self.config, self.force_fast, cached=False)
         if result is not None:
-            self._keep(record, result)
+            self._fill_record(record, result)
         compiled = self._wrap_for_capture(compiled, context, result, record.graph_id)
         record.seconds = time.perf_counter() - start
         self._finish(record, graph_log)
         return compiled
 
-    def _keep(self, record: GraphRecord, result: "CompiledGraph") -> None:
+    def _fill_record(self, record: GraphRecord, result: "CompiledGraph") -> None:
         """Copy what the stages made of the graph into its record (and :attr:`graphs`)."""
         record.matches, record.rules, record.skipped = dict(result.matches), dict(result.rules), dict(result.skipped)
         record.folded_constants, record.nodes_after, record.cache = result.n_folded, result.nodes_after, result.cache

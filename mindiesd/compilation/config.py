@@ -324,5 +324,6 @@ def settings_table() -> str:
         return text.replace("|", "\\|")
 
     lines = ["| Setting | Default | Type | Description |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{name}` | `{cell(default)}` | {cell(kind)} | {cell(doc)} |" for name, default, kind, doc in _setting_rows()]
+    lines += [f"| `{name}` | `{cell(default)}` | {cell(kind)} | {cell(doc)} |"
+              for name, default, kind, doc in _setting_rows()]
     return "\n".join(lines) + "\n"

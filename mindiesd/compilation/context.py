@@ -66,7 +66,7 @@ class GraphContext:
             training=training, freezing_enabled=config.enable_freezing,
             families=tuple(f for f in enabled if f not in skipped), skipped=MappingProxyType(skipped),
             force=frozenset(force), cache=graph_cache.GraphCache(folder) if key is not None else None, key=key,
-            uncached="off" if not folder else f"not cached: {why_not}" if why_not else "",
+            uncached=f"not cached: {why_not}" if why_not else "off" if not folder else "",
         )
 
     @property

@@ -37,7 +37,9 @@ def skip_reason(family: str, device_type: Optional[str], force: Collection[str] 
     if not FAMILIES[family].has_op:  # a rewrite into aten ops: its declaration says whether it gains there
         if declared is None:
             return f"no {family} rewrite declared for {device_type}"
-        return None if declared.fast or family in force else f"on {device_type}, {declared.note or 'not faster than eager'}"
+        if declared.fast or family in force:
+            return None
+        return f"on {device_type}, {declared.note or 'not faster than eager'}"
     registered = _library.DEVICE_KERNELS.get(device_type, {}).get(family)
     if registered is None:
         if declared is None:
@@ -70,7 +72,7 @@ def _is_declared(registered: Callable[..., Any], declared: Kernel) -> bool:
 
 class PassManager:
     """The passes of ``families`` (names from :data:`PASSES`), run in :data:`PASSES` order, less those without a
-    fast kernel on ``device_type`` (:attr:`skipped`; ``force``: families that count as fast, see :func:`skip_reason`)."""
+    fast kernel on ``device_type`` (:attr:`skipped`; ``force``: the families counted as fast, :func:`skip_reason`)."""
 
     def __init__(self, families: Sequence[str], device_type: Optional[str] = None, force: Collection[str] = ()):
         unknown = set(families) - set(PASSES)
