@@ -305,6 +305,16 @@ def test_clear_and_describe(tmp_path, block):
     assert graph_cache.cache_entries(str(tmp_path)) == []
 
 
+def test_cache_command_reads_the_configured_folder_when_given_none(tmp_path, monkeypatch, capsys):
+    from mindiesd.__main__ import main
+
+    monkeypatch.setattr(CompilationConfig, "cache_dir", str(tmp_path))
+    assert main(["cache"]) == 0 and capsys.readouterr().out.startswith(f"{tmp_path}: 0 entries")
+    monkeypatch.setattr(CompilationConfig, "cache_dir", None)
+    assert main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out.startswith(f"the compile cache is off ({config_module.ENV_VAR}=")
+
+
 _SCRIPT = textwrap.dedent(
     """
     import sys, warnings, torch
