@@ -42,14 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cache_command(args: argparse.Namespace) -> int:
-    from .compilation import cache
+    from .compilation import cache, config
 
-    folder, entries, size = cache.describe(args.cache_dir)
+    chosen = args.cache_dir if args.cache_dir is not None else config.CompilationConfig.cache_dir
+    folder, entries, size = cache.describe(chosen)
     if folder is None:
-        print(f"the compile cache is off ({cache.ENV_VAR}={os.environ.get(cache.ENV_VAR, '')!r})")
+        print(f"the compile cache is off ({config.ENV_VAR}={os.environ.get(config.ENV_VAR, '')!r})")
         return 0
     if args.action == "clear":
-        print(f"removed {cache.clear_cache(args.cache_dir)} entries from {folder}")
+        print(f"removed {cache.clear_cache(chosen)} entries from {folder}")
     else:
         print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'}, {size / 2**20:.1f} MiB")
     return 0

@@ -1,12 +1,13 @@
 """MindieSDBackend: the ``torch.compile`` backend.
 
-The whole pipeline, per graph that Dynamo hands over::
+The whole pipeline, per graph that Dynamo hands over (:meth:`MindieSDBackend.__call__`): the graph's
+:class:`GraphContext` (weights, device, mode, families, cache key) is computed once, then
 
-    Dynamo FX graph ──(cache_dir: an entry for this graph? load it and skip to the runner)
-        ──aot (functional aten, inference)──> aten graph
-        ──freezing (enable_freezing)──> main graph + folded weights
-        ──fusion passes (fusion_patterns.enable_*)──> fused graph ──> stored in cache_dir
-        ──device-graph runner (aclgraph_*)──> what Dynamo calls
+    load_cached (a cache entry for this graph? skip to the capture wrap)
+    -> aot (functional aten, inference): its fw_compiler runs
+           freeze (enable_freezing: freeze-stage rewrites, then weights-only computations folded)
+           -> fuse (fusion_patterns.enable_*)
+    -> store (cache_dir) -> wrap for capture (aclgraph_*) -> what Dynamo calls
 
 Any failure on the way gives one warning naming the cause and the unfused Dynamo graph runs instead (``strict``
 raises). The same holds at run time: if the optimised graph raises where the unfused one does not, the unfused
@@ -19,20 +20,22 @@ import itertools
 import logging
 import time
 import warnings
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch.fx import GraphModule
 
 import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
+from .families import FAMILIES
 from . import cache as graph_cache
 from .config import CompilationConfig
-from .device_graph import DeviceGraphRunner, _device_of, wrap_for_capture
+from .context import GraphContext
+from .device_graph import DeviceGraphRunner, wrap_for_capture
 from .freezing import FrozenGraph, constant_inputs, split_constants
 from .graph_log import GraphLog, resolve_log_dir
-from .families import family
-from .pass_manager import PassManager, skip_reason
+from .pass_manager import PassManager
 from .report import CompileReport, GraphRecord, fusion_report
 
 log = logging.getLogger("mindiesd.compilation")
@@ -53,11 +56,6 @@ class MindieSDFallbackWarning(UserWarning):
     """An internal failure made a graph run unfused; the message names the cause."""
 
 
-def _is_weight(t: Any) -> bool:
-    """Parameters and buffers: Dynamo marks them as static inputs."""
-    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
-
-
 def _node_count(gm: GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
@@ -68,14 +66,16 @@ class MindieSDBackend:
     The settings are a snapshot of :class:`CompilationConfig` taken here (or ``config``, copied), so later
     changes to the global settings affect only backends created later. With ``keep_graphs=True`` the final
     graph of every compile is kept in :attr:`graphs`, for inspection (count the fused ops, read the code).
-    The families in ``force_fast`` count as faster than eager wherever they declare a kernel or rewrite.
+    ``force_fast`` names families treated as faster than eager on the graph's device, to fuse (and measure) them
+    where they are declared slower; a family with no kernel or rewrite on the device stays unfused.
     """
 
     def __init__(self, config: Optional[CompilationConfig] = None, *, keep_graphs: bool = False,
-                 force_fast: Collection[str] = ()):
+                 force_fast: Union[str, Iterable[str]] = ()):
         if config is not None and not isinstance(config, CompilationConfig):
             raise TypeError(f"config must be a CompilationConfig, got {type(config).__name__}")
         self.config = config.copy() if config is not None else CompilationConfig.snapshot()
+        self.force_fast: FrozenSet[str] = _known_families(force_fast)
         self._report = CompileReport()
         self.keep_graphs = keep_graphs
         self.force_fast = frozenset(force_fast)
@@ -92,13 +92,12 @@ class MindieSDBackend:
         record = GraphRecord(graph_id=next(_graph_ids), nodes_before=_node_count(gm))
         start = time.perf_counter()
         graph_log = GraphLog(resolve_log_dir(self.config.graph_log_url), record.graph_id)
-        frozen: List[FrozenGraph] = []
+        context: Optional[GraphContext] = None
+        result: Optional[CompiledGraph] = None
         try:
-            slot = self._cache_slot(gm, example_inputs, record)
-            compiled = self._load(slot, record, graph_log, frozen)
-            if compiled is None:
-                compiled = self._compile(gm, example_inputs, record, graph_log, frozen, slot)
-            compiled = _FallbackOnError(compiled, gm.forward, record, self.config.strict)
+            context = GraphContext.build(gm, example_inputs, self.config, self.force_fast)
+            result = load_cached(context, graph_log) or store(context, aot(gm, example_inputs, context, graph_log))
+            compiled = _FallbackOnError(result.run, gm.forward, record, self.config.strict)
         except _DYNAMO_CONTROL_FLOW:
             raise  # Dynamo's own signals (restart the analysis, skip the frame): not failures
         except Exception as exc:
@@ -107,120 +106,28 @@ class MindieSDBackend:
             record.fallback = f"{type(exc).__name__}: {exc}"
             _warn_fallback(f"compiling graph {record.graph_id} failed ({record.fallback})")
             compiled = gm.forward
-        compiled = wrap_for_capture(
-            compiled, self.config, example_inputs, [i for i, t in enumerate(example_inputs) if _is_weight(t)],
-            label=f"graph {record.graph_id}", reads=_folded_reader(frozen[0]) if frozen else None,
-        )
-        if isinstance(compiled, DeviceGraphRunner):
-            self.runners.append(compiled)
+            context = context or GraphContext.build(gm, example_inputs, self.config, self.force_fast, cached=False)
+        if result is not None:
+            self._fill_record(record, result)
+        compiled = self._wrap_for_capture(compiled, context, result, record.graph_id)
         record.seconds = time.perf_counter() - start
         self._finish(record, graph_log)
         return compiled
 
-    def _families(self) -> tuple:
-        return self.config.fusion_patterns.enabled_families() if self.config.fuse else ()
+    def _fill_record(self, record: GraphRecord, result: "CompiledGraph") -> None:
+        """Copy what the stages made of the graph into its record (and :attr:`graphs`)."""
+        record.matches, record.rules, record.skipped = dict(result.matches), dict(result.rules), dict(result.skipped)
+        record.folded_constants, record.nodes_after, record.cache = result.n_folded, result.nodes_after, result.cache
+        if self.keep_graphs and result.main is not None:
+            self.graphs.append(result.main)
 
-    def _cache_slot(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord) -> "_CacheSlot":
-        """Where this graph's cache entry lives, or why it has none."""
-        if not self.config.cache_dir:
-            return _CacheSlot(None, None)
-        reason = graph_cache.uncacheable_inputs(example_inputs)
-        if reason is None and _training(example_inputs):
-            reason = "training graph"
-        if reason is not None:
-            record.cache = f"not cached: {reason}"
-            return _CacheSlot(None, None)
-        device = _device_of(example_inputs)
-        device_type = device.type if device is not None else None
-        skipped = {f: why for f in self._families() if (why := skip_reason(f, device_type, self.force_fast)) is not None}
-        weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
-        settings = graph_cache.settings_for_key(self.config.to_dict())
-        key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped)
-        return _CacheSlot(graph_cache.GraphCache(self.config.cache_dir), key)
-
-    def _load(self, slot: "_CacheSlot", record: GraphRecord, graph_log: GraphLog,
-              frozen_out: List[FrozenGraph]) -> Optional[Callable[..., Any]]:
-        """The compiled graph from the cache, or None on a miss."""
-        if slot.cache is None or slot.key is None:
-            return None
-        entry = slot.cache.load(slot.key)
-        if entry is None:
-            return None
-        run = graph_cache.runnable(entry)
-        if run.frozen is not None:
-            frozen_out.append(run.frozen)
-        record.cache = "hit"
-        record.matches, record.rules, record.skipped = dict(entry.matches), dict(entry.rules), dict(entry.skipped)
-        record.folded_constants, record.nodes_after = entry.n_folded, entry.nodes_after
-        graph_log.graph("cached", entry.main)
-        if self.keep_graphs:
-            self.graphs.append(entry.main)
-        return run
-
-    def _compile(self, gm: GraphModule, example_inputs: List[Any], record: GraphRecord, graph_log: GraphLog,
-                 frozen_out: List[FrozenGraph], slot: "_CacheSlot"):
-        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-
-        config = self.config
-        families = self._families()
-        weights = [i for i, t in enumerate(example_inputs) if _is_weight(t)]
-        adapters = _adapter_weights(gm)
-        device = _device_of(example_inputs)
-        training = _training(example_inputs)
-
-        def inference_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
-            graph_log.graph("aten", aten_gm)
-            frozen = None
-            freezable = config.enable_freezing and not training and len(aten_inputs) == len(example_inputs)
-            passes = PassManager(families, device.type if device is not None else None, self.force_fast)
-            rewrites: Dict[str, int] = {}
-            for fusion in passes.freeze_passes:  # rewrites whose weight-only part freezing folds
-                if not freezable:
-                    passes.skipped[fusion.family] = ("needs enable_freezing" if not config.enable_freezing
-                                                     else "no freezing for this graph (training or input mutation)")
-                rewrites[fusion.family] = 0
-            if freezable and passes.freeze_passes:
-                rewritable = [i for i in weights if i not in adapters]
-                rewrites = passes.run_freeze(aten_gm, constant_inputs(aten_gm, rewritable), graph_log)
-            if freezable:
-                frozen = split_constants(aten_gm, weights)
-            target = frozen.main if frozen is not None else aten_gm
-            if frozen is not None:
-                frozen_out.append(frozen)
-                record.folded_constants = frozen.n_folded
-                graph_log.graph("freezing", target)
-            record.skipped = dict(passes.skipped)
-            record.matches = {**rewrites, **passes.run(target, graph_log)}
-            record.rules = passes.rule_hits()
-            target.graph.eliminate_dead_code()
-            target.recompile()
-            record.nodes_after = _node_count(target) + (_node_count(frozen.fold) if frozen is not None else 0)
-            if self.keep_graphs:
-                self.graphs.append(target)
-            if slot.key is not None:
-                slot.reason = graph_cache.calling_convention_problem(aten_gm, len(example_inputs))
-                if slot.reason is None:
-                    slot.entry = graph_cache.CachedGraph(
-                        main=target, fold=frozen.fold if frozen is not None else None,
-                        fold_inputs=list(frozen.fold_inputs) if frozen is not None else [],
-                        main_inputs=list(frozen.main_inputs) if frozen is not None else [],
-                        n_folded=frozen.n_folded if frozen is not None else 0, matches=dict(record.matches),
-                        rules=dict(record.rules), skipped=dict(record.skipped), nodes_after=record.nodes_after,
-                    )
-            return make_boxed_func(frozen.bind(target.forward) if frozen is not None else target.forward)
-
-        def backward_compiler(aten_gm: GraphModule, aten_inputs: Sequence[Any]):
-            return make_boxed_func(aten_gm.forward)
-
-        compiled = aot_module_simplified(
-            gm, example_inputs, fw_compiler=inference_compiler, bw_compiler=backward_compiler,
-            keep_inference_input_mutations=True,
-        )
-        if slot.cache is not None and slot.key is not None:
-            if slot.entry is None:
-                record.cache = f"not cached: {slot.reason or 'no inference graph'}"
-            else:
-                record.cache = "stored" if slot.cache.store(slot.key, slot.entry) is not None else "store failed"
+    def _wrap_for_capture(self, compiled: Callable[..., Any], context: GraphContext,
+                          result: Optional["CompiledGraph"], graph_id: int) -> Callable[..., Any]:
+        frozen = result.frozen if result is not None else None
+        compiled = wrap_for_capture(compiled, self.config, context.device, context.weights, label=f"graph {graph_id}",
+                                    reads=_folded_reader(frozen) if frozen is not None else None)
+        if isinstance(compiled, DeviceGraphRunner):
+            self.runners.append(compiled)
         return compiled
 
     def _finish(self, record: GraphRecord, graph_log: GraphLog) -> None:
@@ -235,27 +142,144 @@ class MindieSDBackend:
         graph_log.summary(record.to_dict(), line)
 
 
-class _CacheSlot:
-    """One graph's place in the persistent cache: the store, the key, and what the compile leaves to store."""
-
-    __slots__ = ("cache", "key", "entry", "reason")
-
-    def __init__(self, cache: Optional["graph_cache.GraphCache"], key: Optional[str]):
-        self.cache, self.key = cache, key
-        self.entry: Optional[graph_cache.CachedGraph] = None
-        self.reason: Optional[str] = None
+def _known_families(names: Union[str, Iterable[str]]) -> FrozenSet[str]:
+    chosen = frozenset((names,) if isinstance(names, str) else names)
+    unknown = sorted(chosen - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"force_fast: unknown fusion families {unknown}; known: {list(FAMILIES)}")
+    return chosen
 
 
-def _training(example_inputs: Sequence[Any]) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+# ------------------------------------------------------------------------------------------------- the stages
 
 
-def _adapter_weights(gm: GraphModule) -> set:
-    """Indices of the inputs that are LoRA adapter weights (PEFT's ``lora_A`` / ``lora_B`` / ...; diffusers'
-    LoRA layers are PEFT's). A hot-swap writes them in place through ``.data``, which no version counter sees, so
-    the freeze-stage rewrites never fold them into a new tensor: they stay read where they are."""
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return {i for i, name in enumerate(names) if "lora_" in name.lower()}
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What the stages made of one graph: the callable Dynamo gets, and what its record reports."""
+
+    run: Callable[..., Any]
+    main: Optional[GraphModule] = None
+    frozen: Optional[FrozenGraph] = None
+    n_folded: int = 0
+    matches: Mapping[str, int] = field(default_factory=dict)
+    rules: Mapping[str, int] = field(default_factory=dict)
+    skipped: Mapping[str, str] = field(default_factory=dict)
+    nodes_after: int = 0
+    #: The persistent cache's word on it: ``hit``, ``stored``, ``store failed``, ``off`` or ``not cached: <why>``.
+    cache: str = "off"
+    #: Why it cannot be stored (aot's runtime wrapper does more than call it), or None.
+    not_cacheable: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """The freeze stage's result: the fold/main split (None: nothing folded or not frozen), the freeze-stage
+    rewrites per family, and the freeze-stage families not run, with why."""
+
+    graph: Optional[FrozenGraph]
+    rewrites: Dict[str, int]
+    skipped: Dict[str, str]
+
+
+def load_cached(context: GraphContext, graph_log: GraphLog) -> Optional[CompiledGraph]:
+    """The compiled graph from the persistent cache, or None on a miss (or without a key)."""
+    entry = context.cache.load(context.key) if context.cache is not None and context.key is not None else None
+    if entry is None:
+        return None
+    run = graph_cache.runnable(entry)
+    graph_log.graph("cached", entry.main)
+    return CompiledGraph(run, entry.main, run.frozen, entry.n_folded, dict(entry.matches), dict(entry.rules),
+                         dict(entry.skipped), entry.nodes_after, cache="hit")
+
+
+def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog) -> CompiledGraph:
+    """aot's functional aten graph, frozen and fused by :class:`_FreezeAndFuse`; ``run`` is aot's callable."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    compiler = _FreezeAndFuse(context, graph_log)
+    run = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, bw_compiler=_as_traced,
+                                keep_inference_input_mutations=True)
+    return replace(compiler.result or CompiledGraph(run, not_cacheable="no inference graph"), run=run)
+
+
+class _FreezeAndFuse:
+    """aot's fw_compiler: the freeze and fuse stages on the aten graph; what they made is :attr:`result`."""
+
+    def __init__(self, context: GraphContext, graph_log: GraphLog):
+        self.context, self.graph_log = context, graph_log
+        self.result: Optional[CompiledGraph] = None
+
+    def __call__(self, aten_gm: GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        context = self.context
+        self.graph_log.graph("aten", aten_gm)
+        passes = PassManager(context.families, context.device_type, force=context.force)
+        fused = fuse(context, freeze(context, aten_gm, len(aten_inputs), passes, self.graph_log), aten_gm, passes,
+                     self.graph_log)
+        if context.key is not None:  # aot's metadata of this trace says whether the graph alone is the whole call
+            fused = replace(fused, not_cacheable=graph_cache.calling_convention_problem(aten_gm, context.n_inputs))
+        self.result = fused
+        return make_boxed_func(fused.run)
+
+
+def _as_traced(aten_gm: GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """aot's bw_compiler: the backward graph runs as traced."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(aten_gm.forward)
+
+
+def freeze(context: GraphContext, aten_gm: GraphModule, aten_inputs: int, passes: PassManager,
+           graph_log: GraphLog) -> Frozen:
+    """The freeze-stage rewrites on the whole aten graph, then its split into a fold graph (what depends on weights
+    alone) and the main graph."""
+    rewrites = {fusion.family: 0 for fusion in passes.freeze_passes}
+    why_not = context.why_not_frozen(aten_inputs)
+    if why_not is not None:
+        return Frozen(None, rewrites, dict.fromkeys(rewrites, why_not))
+    if passes.freeze_passes:  # rewrites whose weight-only part the split folds (LoRA adapters stay unfolded)
+        rewrites = passes.run_freeze(aten_gm, constant_inputs(aten_gm, context.rewritable_weights), graph_log)
+    frozen = split_constants(aten_gm, context.weights)
+    if frozen is not None:
+        graph_log.graph("freezing", frozen.main)
+    return Frozen(frozen, rewrites, {})
+
+
+def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: PassManager,
+         graph_log: GraphLog) -> CompiledGraph:
+    """The fusion-stage passes on the main graph (the aten graph where nothing was folded)."""
+    split = frozen.graph
+    target = split.main if split is not None else aten_gm
+    matches = {**frozen.rewrites, **passes.run(target, graph_log)}
+    target.graph.eliminate_dead_code()
+    target.recompile()
+    return CompiledGraph(
+        run=split.bind(target.forward) if split is not None else target.forward, main=target, frozen=split,
+        n_folded=split.n_folded if split is not None else 0, matches=matches, rules=passes.rule_hits(),
+        skipped={**context.skipped, **frozen.skipped},
+        nodes_after=_node_count(target) + (_node_count(split.fold) if split is not None else 0),
+    )
+
+
+def store(context: GraphContext, compiled: CompiledGraph) -> CompiledGraph:
+    """Writes the compiled graph to the persistent cache; the result's :attr:`~CompiledGraph.cache` says how it went."""
+    if context.cache is None or context.key is None:
+        return replace(compiled, cache=context.uncached)
+    if compiled.not_cacheable is not None:
+        return replace(compiled, cache=f"not cached: {compiled.not_cacheable}")
+    split = compiled.frozen
+    entry = graph_cache.CachedGraph(
+        main=compiled.main, fold=split.fold if split is not None else None,
+        fold_inputs=list(split.fold_inputs) if split is not None else [],
+        main_inputs=list(split.main_inputs) if split is not None else [], n_folded=compiled.n_folded,
+        matches=dict(compiled.matches), rules=dict(compiled.rules), skipped=dict(compiled.skipped),
+        nodes_after=compiled.nodes_after,
+    )
+    return replace(compiled, cache="stored" if context.cache.store(context.key, entry) is not None else "store failed")
+
+
+# ------------------------------------------------------------------------------------------------- run time
 
 
 def _folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]:

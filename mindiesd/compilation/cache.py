@@ -53,31 +53,17 @@ from torch.fx import GraphModule
 log = logging.getLogger("mindiesd.compilation")
 
 __all__ = [
-    "MindieSDCacheWarning", "CachedGraph", "GraphCache", "default_cache_dir", "cache_entries", "clear_cache",
-    "ENV_VAR", "FORMAT",
+    "MindieSDCacheWarning", "CachedGraph", "GraphCache", "cache_entries", "clear_cache", "describe", "FORMAT",
 ]
 
-#: Environment variable: the cache folder, or ``off`` (or empty) to turn the cache off by default.
-ENV_VAR = "MINDIESD_CACHE_DIR"
 #: Version of the entry layout; entries of another format are ignored.
 FORMAT = 1
 _MAGIC = b"MINDIESD-GRAPH-CACHE"
 _SUFFIX = ".graph"
-_OFF = ("", "0", "off", "none", "false")
 
 
 class MindieSDCacheWarning(UserWarning):
     """A cache entry could not be read or written; the graph is compiled as without a cache."""
-
-
-def default_cache_dir() -> Optional[str]:
-    """``$MINDIESD_CACHE_DIR`` (``off`` or empty: no cache), else ``$XDG_CACHE_HOME/mindiesd``, else
-    ``~/.cache/mindiesd``."""
-    value = os.environ.get(ENV_VAR)
-    if value is not None:
-        return None if value.strip().lower() in _OFF else value
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mindiesd")
 
 
 @dataclass
@@ -382,17 +368,18 @@ def _decode(data: bytes, key: str) -> CachedGraph:
     return entry
 
 
-def cache_entries(cache_dir: Optional[str] = None) -> List[Path]:
-    """The entry files of ``cache_dir`` (default: the configured folder)."""
-    root = _resolve(cache_dir)
+def cache_entries(folder: Optional[str]) -> List[Path]:
+    """The entry files of the cache ``folder`` (None: the cache is off, no entries)."""
+    root = _root(folder)
     if root is None or not root.is_dir():
         return []
     return sorted(root.glob(f"??/*{_SUFFIX}"))
 
 
-def clear_cache(cache_dir: Optional[str] = None) -> int:
-    """Delete every entry (and leftover temporary file) of ``cache_dir``; returns how many entries were removed."""
-    root = _resolve(cache_dir)
+def clear_cache(folder: Optional[str]) -> int:
+    """Delete every entry (and leftover temporary file) of the cache ``folder``; returns how many entries were
+    removed."""
+    root = _root(folder)
     if root is None or not root.is_dir():
         return 0
     removed = 0
@@ -400,18 +387,14 @@ def clear_cache(cache_dir: Optional[str] = None) -> int:
         with _ignored():
             path.unlink()
             removed += path.suffix == _SUFFIX
-    for folder in root.glob("??"):
+    for folder_of_entries in root.glob("??"):
         with _ignored():
-            folder.rmdir()
+            folder_of_entries.rmdir()
     return removed
 
 
-def _resolve(cache_dir: Optional[str]) -> Optional[Path]:
-    if cache_dir is None:
-        from .config import CompilationConfig
-
-        cache_dir = CompilationConfig.cache_dir
-    return Path(cache_dir).expanduser() if cache_dir else None
+def _root(folder: Optional[str]) -> Optional[Path]:
+    return Path(folder).expanduser() if folder else None
 
 
 def settings_for_key(settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -423,8 +406,7 @@ def settings_for_key(settings: Dict[str, Any]) -> Dict[str, Any]:
 _RUN_TIME_SETTINGS = ("cache_dir", "graph_log_url", "strict", "aclgraph_max_graphs", "safe_output_mode")
 
 
-def describe(cache_dir: Optional[str] = None) -> Tuple[Optional[Path], int, int]:
-    """(folder, entries, bytes) of ``cache_dir`` (default: the configured folder)."""
-    entries = cache_entries(cache_dir)
-    return _resolve(cache_dir), len(entries), sum(p.stat().st_size for p in entries)
-
+def describe(folder: Optional[str]) -> Tuple[Optional[Path], int, int]:
+    """(folder, entries, bytes) of the cache ``folder`` (None: the cache is off)."""
+    entries = cache_entries(folder)
+    return _root(folder), len(entries), sum(p.stat().st_size for p in entries)

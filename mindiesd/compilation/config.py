@@ -9,7 +9,9 @@ A backend takes a snapshot when it is created (``MindieSDBackend()``): later cha
 backends created later. ``CompilationConfig(**overrides)`` builds such a snapshot directly, for a backend of
 its own that leaves the globals alone; ``CompilationConfig.reset()`` restores the defaults.
 
-Every assignment is checked: an unknown name raises :class:`UnknownSettingError` listing the valid ones, a value
+Each setting is declared once, in ``_FIELDS`` (default, type check, doc); the class attributes, the class
+docstring's list and the settings table of the docs (:func:`settings_table`) are derived from it. Every
+assignment is checked: an unknown name raises :class:`UnknownSettingError` listing the valid ones, a value
 of the wrong type raises :class:`SettingTypeError`.
 """
 
@@ -18,13 +20,15 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from .families import FAMILIES
-from .cache import default_cache_dir
 
 __all__ = [
     "CompilationConfig",
+    "settings_table",
+    "default_cache_dir",
+    "ENV_VAR",
     "FusionPatterns",
     "CompilationConfigError",
     "UnknownSettingError",
@@ -44,12 +48,36 @@ class SettingTypeError(CompilationConfigError, TypeError):
     """A setting given a value of the wrong type."""
 
 
+#: Environment variable: the cache folder, or ``off`` (or empty) to turn the persistent cache off by default.
+ENV_VAR = "MINDIESD_CACHE_DIR"
+_OFF = ("", "0", "off", "none", "false")
+
+
+def default_cache_dir() -> Optional[str]:
+    """``$MINDIESD_CACHE_DIR`` (``off`` or empty: no cache), else ``$XDG_CACHE_HOME/mindiesd``, else
+    ``~/.cache/mindiesd``."""
+    value = os.environ.get(ENV_VAR)
+    if value is not None:
+        return None if value.strip().lower() in _OFF else value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mindiesd")
+
+
 @dataclass(frozen=True)
 class _Field:
+    """One setting: its default, its type check (and the type in words, for errors and docs), its doc."""
+
     default: Any
     check: Callable[[Any], bool]
     expected: str
     doc: str
+    #: Reads the default when the settings are reset (a default that comes from the environment).
+    default_from: Optional[Callable[[], Any]] = None
+    #: The default as the docs show it, where the value itself depends on the machine.
+    default_doc: str = ""
+
+    def current_default(self) -> Any:
+        return self.default_from() if self.default_from is not None else self.default
 
 
 def _is_bool(value: Any) -> bool:
@@ -147,7 +175,8 @@ def _is_fusion_patterns(value: Any) -> bool:
 _FIELDS: Dict[str, _Field] = {
     "fusion_patterns": _Field(
         None, _is_fusion_patterns, "a FusionPatterns or a dict of enable_* switches",
-        "Switches of the fusion families (see FusionPatterns).",
+        "Switches of the fusion families (see FusionPatterns).", default_from=FusionPatterns,
+        default_doc="every enable_* True",
     ),
     "aclgraph_only": _Field(
         False, _is_bool, "a bool",
@@ -180,16 +209,9 @@ _FIELDS: Dict[str, _Field] = {
         None, _is_optional_folder, "None or a folder path",
         "Persistent compile cache: the folder where each compiled graph is stored and loaded from by later "
         "processes (None: off). Default: $MINDIESD_CACHE_DIR ('off' turns it off), else ~/.cache/mindiesd.",
+        default_from=default_cache_dir, default_doc="$MINDIESD_CACHE_DIR, else ~/.cache/mindiesd",
     ),
 }
-
-#: Settings whose default is read from the environment when the settings are reset.
-_DYNAMIC_DEFAULTS: Dict[str, Callable[[], Any]] = {"cache_dir": default_cache_dir}
-
-
-def _default(name: str) -> Any:
-    factory = _DYNAMIC_DEFAULTS.get(name)
-    return factory() if factory is not None else _FIELDS[name].default
 
 
 def _fusion_value(value: Any) -> FusionPatterns:
@@ -216,29 +238,9 @@ class CompilationConfig(metaclass=_ConfigMeta):
     """Settings of MindieSDBackend.
 
     Class attributes are the global settings; an instance is an independent snapshot of them, optionally with
-    overrides: ``CompilationConfig(aclgraph_with_compile=True)``. Settings:
-
-    - ``fusion_patterns``: the ``enable_*`` switch of each family (:class:`FusionPatterns`), all ``True``.
-    - ``aclgraph_only`` (``False``): device-graph capture without pattern fusion.
-    - ``aclgraph_with_compile`` (``False``): pattern fusion, then device-graph capture; wins over ``aclgraph_only``.
-    - ``aclgraph_max_graphs`` (``16``): captures kept per compiled graph, least recently used evicted.
-    - ``enable_freezing`` (``True``): constant folding of what depends on weights alone.
-    - ``safe_output_mode`` (``True``): clone the outputs of each device-graph replay.
-    - ``graph_log_url`` (``None``): folder for the log of graph transforms.
-    - ``strict`` (``False``): raise instead of falling back to the unfused graph.
-    - ``cache_dir`` (``$MINDIESD_CACHE_DIR``, else ``~/.cache/mindiesd``): the persistent compile cache; ``None``
-      turns it off.
+    overrides: ``CompilationConfig(aclgraph_with_compile=True)``. Every setting, its default and its meaning:
+    :meth:`settings` (docs/settings.md renders them as a table, :func:`settings_table`).
     """
-
-    fusion_patterns: FusionPatterns = FusionPatterns()
-    aclgraph_only: bool = False
-    aclgraph_with_compile: bool = False
-    aclgraph_max_graphs: int = 16
-    enable_freezing: bool = True
-    safe_output_mode: bool = True
-    graph_log_url: Any = None
-    strict: bool = False
-    cache_dir: Any = default_cache_dir()
 
     def __init__(self, **overrides: Any) -> None:
         cls = type(self)
@@ -265,8 +267,8 @@ class CompilationConfig(metaclass=_ConfigMeta):
     @classmethod
     def reset(cls) -> None:
         """Restore every global setting to its default."""
-        for name in _FIELDS:
-            setattr(cls, name, FusionPatterns() if name == "fusion_patterns" else _default(name))
+        for name, field in _FIELDS.items():
+            setattr(cls, name, field.current_default())
 
     @classmethod
     def settings(cls) -> Iterator[Tuple[str, Any, str]]:
@@ -276,7 +278,7 @@ class CompilationConfig(metaclass=_ConfigMeta):
                 for sub, sub_field in _FUSION_FIELDS.items():
                     yield f"fusion_patterns.{sub}", sub_field.default, sub_field.doc
             else:
-                yield name, _default(name), field.doc
+                yield name, field.current_default(), field.doc
 
     def copy(self) -> "CompilationConfig":
         return CompilationConfig(**self.to_dict())
@@ -299,3 +301,29 @@ class CompilationConfig(metaclass=_ConfigMeta):
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
         return f"CompilationConfig({inner})"
+
+
+CompilationConfig.reset()  # the class attributes: each setting's default, from the table above
+CompilationConfig.__doc__ = (CompilationConfig.__doc__ or "") + "\n    Settings:\n\n" + "".join(
+    f"    - ``{name}`` ({field.default_doc or repr(field.default)}): {field.doc}\n" for name, field in _FIELDS.items())
+
+
+def _setting_rows() -> Iterator[Tuple[str, str, str, str]]:
+    """(name, default, type, description) of every setting as the docs show them, fusion switches included."""
+    for name, field in _FIELDS.items():
+        if name == "fusion_patterns":
+            for sub, sub_field in _FUSION_FIELDS.items():
+                yield f"fusion_patterns.{sub}", repr(sub_field.default), sub_field.expected, sub_field.doc
+        else:
+            yield name, field.default_doc or repr(field.default), field.expected, field.doc
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting (name, default, type, description): docs/settings.md holds it."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| Setting | Default | Type | Description |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{name}` | `{cell(default)}` | {cell(kind)} | {cell(doc)} |"
+              for name, default, kind, doc in _setting_rows()]
+    return "\n".join(lines) + "\n"

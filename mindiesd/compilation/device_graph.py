@@ -452,25 +452,18 @@ class DeviceGraphRunner:
 _warned_unavailable: set = set()
 
 
-def _device_of(example_inputs: Sequence[Any]) -> Optional[torch.device]:
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            return t.device
-    return None
-
-
 def wrap_for_capture(
     fn: Callable[..., Any],
     config: CompilationConfig,
-    example_inputs: Sequence[Any] = (),
+    device: Optional[torch.device],
     weight_indices: Sequence[int] = (),
     label: str = "graph",
     reads: Optional[Callable[..., Sequence[torch.Tensor]]] = None,
 ) -> Callable[..., Any]:
-    """``fn`` behind a :class:`DeviceGraphRunner` when the settings ask for capture and the device has one."""
+    """``fn`` behind a :class:`DeviceGraphRunner` when the settings ask for capture and ``device`` (the graph's)
+    has one."""
     if not config.capture:
         return fn
-    device = _device_of(example_inputs)
     adapter = adapter_for(device) if device is not None else None
     if adapter is None:
         where = device.type if device is not None else "this graph (no tensor input)"

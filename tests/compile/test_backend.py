@@ -338,3 +338,29 @@ def test_fused_low_precision_is_no_further_from_fp64_than_eager(dtype):
             eager_error += (low(*inputs).double() - truth).abs().mean().item()
             fused_error += (compiled(*inputs).double() - truth).abs().mean().item()
     assert fused_error <= eager_error, (fused_error, eager_error)
+
+
+def test_graph_context_holds_the_per_graph_facts_once_and_cannot_change(tmp_path):
+    import dataclasses
+
+    from mindiesd.compilation.context import GraphContext
+
+    gm = torch.fx.symbolic_trace(lambda x, w, lora_A: x @ w + lora_A)
+    inputs = [torch.randn(2, 4), torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    config = CompilationConfig(cache_dir=str(tmp_path))
+    with torch.no_grad():
+        context = GraphContext.build(gm, inputs, config)
+        forced = GraphContext.build(gm, inputs, config, frozenset({"linear_gelu"}))
+    assert context.weights == (1, 2) and context.adapters == {2} and context.rewritable_weights == (1,)
+    assert context.device_type == "cpu" and not context.training and context.why_not_frozen(3) is None
+    assert set(context.skipped) == {"merge_projections", "linear_gelu"}
+    assert not set(context.families) & set(context.skipped)
+    assert context.key is not None and context.cache is not None and context.cache.root == tmp_path
+    assert "linear_gelu" in forced.families and forced.key != context.key, "the forced family is in the key"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        context.key = "another"
+    training = GraphContext.build(gm, inputs, config)
+    assert training.training and training.key is None and training.uncached == "not cached: training graph"
+    assert training.why_not_frozen(3) == "no freezing for this graph (training or input mutation)"
+    off = GraphContext.build(gm, inputs, CompilationConfig(cache_dir=None, enable_freezing=False))
+    assert off.cache is None and off.uncached == "off" and off.why_not_frozen(3) == "needs enable_freezing"

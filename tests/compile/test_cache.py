@@ -23,6 +23,7 @@ import torch
 from fusion_utils import WeightedBlock, assert_close, count_fused
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
 from mindiesd.compilation import cache as graph_cache
+from mindiesd.compilation import config as config_module
 from mindiesd.compilation.cache import GraphCache, MindieSDCacheWarning
 
 
@@ -272,10 +273,10 @@ def test_cache_off(tmp_path, block, monkeypatch):
         torch.compile(model, backend=off)(x)
     assert _states(off) == ["off"]
     for value, expected in (("off", None), ("", None), ("0", None), (str(tmp_path / "env"), str(tmp_path / "env"))):
-        monkeypatch.setenv(graph_cache.ENV_VAR, value)
+        monkeypatch.setenv(config_module.ENV_VAR, value)
         CompilationConfig.reset()
         assert CompilationConfig.cache_dir == expected
-    monkeypatch.delenv(graph_cache.ENV_VAR)
+    monkeypatch.delenv(config_module.ENV_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     CompilationConfig.reset()
     assert CompilationConfig.cache_dir == str(tmp_path / "xdg" / "mindiesd")
@@ -302,6 +303,16 @@ def test_clear_and_describe(tmp_path, block):
     _compile_and_run(model, x, cache_dir=tmp_path)
     assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
     assert graph_cache.cache_entries(str(tmp_path)) == []
+
+
+def test_cache_command_reads_the_configured_folder_when_given_none(tmp_path, monkeypatch, capsys):
+    from mindiesd.__main__ import main
+
+    monkeypatch.setattr(CompilationConfig, "cache_dir", str(tmp_path))
+    assert main(["cache"]) == 0 and capsys.readouterr().out.startswith(f"{tmp_path}: 0 entries")
+    monkeypatch.setattr(CompilationConfig, "cache_dir", None)
+    assert main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out.startswith(f"the compile cache is off ({config_module.ENV_VAR}=")
 
 
 _SCRIPT = textwrap.dedent(

@@ -314,6 +314,38 @@ def test_force_refuses_a_device_without_a_kernel():
     assert families.skip_reason("merge_projections", "cpu") is not None
 
 
+def test_force_fast_makes_the_rewrites_for_one_backend_and_leaves_the_declarations_alone():
+    model, mlp = Attention().eval(), Mlp().eval()
+    x = torch.randn(2, 24, 32)
+    strict = CompilationConfig(cache_dir=None, strict=True)
+    forced_backend = MindieSDBackend(strict, keep_graphs=True, force_fast=("merge_projections", "linear_gelu"))
+    for module in (model, mlp):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(module, backend=forced_backend, fullgraph=True)(x)
+            assert_close(out, module(x), torch.float32)
+    attention, gelu = forced_backend.report().records
+    assert attention.matches["merge_projections"] == 1 and 96 in gemm_widths(forced_backend), "q/k/v in one matmul"
+    assert gelu.matches["linear_gelu"] == 1 and calls(forced_backend, torch.ops.mindiesd.linear_gelu.default) == 1
+    assert "merge_projections" not in attention.skipped and "linear_gelu" not in gelu.skipped
+    assert not families.fast_on("merge_projections", "cpu") and not families.fast_on("linear_gelu", "cpu")
+    torch._dynamo.reset()
+    _, _, plain = compile_run(model, x)  # a backend without force_fast: the CPU declarations hold
+    assert plain.report().records[0].matches.get("merge_projections", 0) == 0
+    assert "merge_projections" in plain.report().records[0].skipped
+
+
+def test_force_fast_names_known_families_and_does_not_invent_a_kernel():
+    with pytest.raises(ValueError, match="unknown fusion families \\['gelu'\\]; known: \\['merge_projections'"):
+        MindieSDBackend(force_fast=["gelu"])
+    from mindiesd.compilation.pass_manager import skip_reason
+
+    assert skip_reason("linear_gelu", "cpu", force={"linear_gelu"}) is None
+    assert "no linear_gelu kernel for npu" in skip_reason("linear_gelu", "npu", force={"linear_gelu"})
+    with pytest.raises(ValueError, match="unknown fusion families"):
+        skip_reason("rope", "cpu", force={"nope"})
+
+
 # ------------------------------------------------------------------------------------------------- the models
 #: merged matmuls in the tiny core models: Flux (2 double blocks: image q/k/v, context q/k/v; 4 single blocks:
 #: q/k/v + proj_mlp), SD3 (2 joint blocks: image and context q/k/v), Wan (2 blocks: self q/k/v, cross k/v)

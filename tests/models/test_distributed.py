@@ -227,10 +227,10 @@ def block_inputs(tokens: int = 32, dim: int = 64, heads: int = 4, seed: int = 1)
 
 
 def job_environment():
-    import mindiesd.compilation.cache as cache
+    import mindiesd.compilation.config as config
 
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-            "cache_env": os.environ.get(cache.ENV_VAR), "cache_dir": CompilationConfig.cache_dir}
+            "cache_env": os.environ.get(config.ENV_VAR), "cache_dir": CompilationConfig.cache_dir}
 
 
 def job_dit_block(cp):

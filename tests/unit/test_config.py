@@ -142,6 +142,53 @@ def test_settings_table_lists_every_setting():
     assert {f"fusion_patterns.{s}" for s in SPEC_SWITCHES} <= set(names)
 
 
+def test_docs_settings_table_is_generated_from_the_declarations():
+    from pathlib import Path
+
+    from mindiesd.compilation.config import settings_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "settings.md").read_text()
+    begin, end = "<!-- settings-table:begin -->\n", "<!-- settings-table:end -->"
+    assert begin in text and end in text, "docs/settings.md lost its settings-table markers"
+    documented = text.split(begin, 1)[1].split(end, 1)[0]
+    assert documented == settings_table(), (
+        "docs/settings.md's settings table is out of date: replace the lines between the markers with the output of "
+        "python -c \"from mindiesd.compilation.config import settings_table; print(settings_table(), end='')\"")
+    for name, _, _ in CompilationConfig.settings():
+        assert f"| `{name}` |" in documented
+
+
+def test_class_attributes_and_docstring_come_from_the_one_declaration():
+    from mindiesd.compilation import config
+
+    for name, field in config._FIELDS.items():
+        assert f"``{name}``" in CompilationConfig.__doc__ and field.doc in CompilationConfig.__doc__
+        if name != "fusion_patterns":
+            assert getattr(CompilationConfig, name) == field.current_default()
+    assert CompilationConfig.fusion_patterns == FusionPatterns()
+
+
+def test_config_and_cache_do_not_import_each_other():
+    import ast
+    from pathlib import Path
+
+    import mindiesd.compilation as compilation
+
+    folder = Path(compilation.__file__).parent
+
+    def imported(module):
+        """Every dotted name a module imports, split into its parts (``from . import cache`` gives ``cache``)."""
+        tree = ast.parse((folder / f"{module}.py").read_text())
+        parts = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    parts.update(f"{getattr(node, 'module', None) or ''}.{alias.name}".split("."))
+        return parts
+
+    assert "cache" not in imported("config") and "config" not in imported("cache")
+
+
 # ---------------------------------------------------------------------------------------------- family registry
 def test_switches_and_passes_come_from_the_family_registry():
     from mindiesd.compilation import families
