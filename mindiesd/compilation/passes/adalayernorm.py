@@ -8,20 +8,16 @@ Covered: AdaLayerNormZero (``scale[:, None]`` added to 1 after the unsqueeze), A
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
+from ..fx_utils import tensor_val
 from ..matcher import Alt, Cast, Lit, Op, OutCast, Var
-from .base import FusionPass, Rule, tensor_val
+from .base import FusionPass, Rule
+from .patterns import item
 
 aten = torch.ops.aten
 
-_norm = Op(
-    operator.getitem,
-    Op(aten.native_layer_norm.default, Cast(Var("x")), Var("normalized_shape"), None, None, Lit("eps")),
-    0,
-)
+_norm = item(Op(aten.native_layer_norm.default, Cast(Var("x")), Var("normalized_shape"), None, None, Lit("eps")), 0)
 _one_plus_scale = Op((aten.add.Tensor, aten.add.Scalar), Var("scale"), Lit(check=lambda v: v == 1), commutative=True)
 # (1 + scale) may be reshaped after the addition; the reshape is then re-applied to scale itself.
 _factor = Alt(

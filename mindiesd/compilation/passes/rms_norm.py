@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..fx_utils import tensor_val
 from ..matcher import Alt, Cast, Lit, Op, OutCast, Var
-from .base import FusionPass, Rule, last_dim_index, tensor_val
+from .base import FusionPass, Rule, last_dim_index
 
 aten = torch.ops.aten
 
