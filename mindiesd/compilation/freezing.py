@@ -2,7 +2,8 @@
 
 The aten graph is split in two: a *fold* graph that computes, from the weights alone, every value the rest of the
 graph needs (a transposed or upcast weight, RoPE frequency tables built from buffers, ``arange`` tables...),
-and a *main* graph that takes those folded values as inputs in place of the weights they came from.
+and a *main* graph that takes those folded values as inputs in place of the weights they came from. What can be
+folded is :func:`~mindiesd.compilation.fx_utils.foldable_nodes`, the definition the freeze-stage rewrites use too.
 
 Folded values are computed on the first call and cached per set of weights. The cache is keyed on the identity
 of the weight tensors and checked against their storage pointer and version counter on every call, so one

@@ -16,7 +16,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = [
-    "val", "tensor_val", "is_call", "writes_in_place", "placeholders", "known_eq", "same_shape", "same_layout",
+    "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "known_eq", "same_shape", "same_layout",
     "foldable_nodes", "fake_call", "Emitter", "erase_unused", "MAX_EXPANDED_NUMEL",
 ]
 
@@ -35,6 +35,12 @@ def tensor_val(value: Any) -> Optional[torch.Tensor]:
     """The example tensor of a node, or None for literals and non-tensor nodes."""
     v = val(value) if isinstance(value, Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+def float_tensor(value: Any, min_rank: int = 0) -> Optional[torch.Tensor]:
+    """The example tensor of a node when it is floating point with at least ``min_rank`` dims, else None."""
+    v = tensor_val(value)
+    return v if v is not None and v.dtype.is_floating_point and v.dim() >= min_rank else None
 
 
 def is_call(node: Any, *targets: Any) -> bool:

@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "Pattern", "Op", "Var", "Lit", "Cast", "OutCast", "Alt", "Match", "match", "is_self_contained", "strip_casts",
-    "near", "CAST_OPS", "explain",
+    "exactly", "near", "CAST_OPS", "explain",
 ]
 
 #: Ops that change only the dtype of a tensor (when called with a dtype alone).
@@ -137,6 +137,11 @@ class Lit(Pattern):
 
     def describe(self) -> str:
         return f"Lit({self.name!r})" if self.name else "Lit()"
+
+
+def exactly(target: float) -> Callable[[Any], bool]:
+    """A predicate for a literal equal to ``target`` (``1`` and ``1.0`` alike)."""
+    return lambda v: v == target
 
 
 def near(target: float, rel: float = 1e-6) -> Callable[[Any], bool]:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from ..fx_utils import tensor_val
+from ..fx_utils import float_tensor
 from ..matcher import Var
 from .base import FusionPass, Rule
 from .patterns import ExplicitTanhGelu, aten_tanh_gelu
 
 
 def _check(m, root):
-    x = tensor_val(m["x"])
-    return None if x is not None and x.dtype.is_floating_point else "x is not a floating-point tensor"
+    return None if float_tensor(m["x"]) is not None else "x is not a floating-point tensor"
 
 
 def _build(m, root, emit):

@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import is_call
-from ..matcher import Alt, Lit, Match, Op, Pattern, PatternLike, Var, near
+from ..matcher import Alt, Lit, Match, Op, Pattern, PatternLike, Var, exactly, near
 
 aten = torch.ops.aten
 
@@ -25,7 +25,7 @@ def item(source: Pattern, index: PatternLike) -> Op:
     return Op(operator.getitem, source, index)
 
 
-_UNIT = Lit(check=lambda v: v == 1)
+_UNIT = Lit(check=exactly(1))
 
 #: ``w.T`` (binds ``w``, and ``perm`` for a permute: see :func:`is_transpose`); shared, as it may feed other nodes.
 WEIGHT_T = Alt(

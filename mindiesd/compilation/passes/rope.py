@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from ..fx_utils import known_eq, same_shape, tensor_val, val
+from ..fx_utils import float_tensor, known_eq, same_shape, tensor_val, val
 from ..matcher import Cast, Lit, Op, OutCast, Var
 from .base import FusionPass, Rule
 from .patterns import item
@@ -154,8 +154,8 @@ def _of_even_x(check):
 
     @functools.wraps(check)
     def checked(m, root):
-        x = tensor_val(m["x"])
-        if x is None or x.dim() < 1 or not x.dtype.is_floating_point:
+        x = float_tensor(m["x"], min_rank=1)
+        if x is None:
             return _NO_X
         d = x.shape[-1]
         # Under dynamic=True d is symbolic; each form's pair or half view then implies that d is even (eager's
