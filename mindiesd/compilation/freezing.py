@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .fx_utils import foldable_nodes, is_call, placeholders, writes_in_place
+from .fx_utils import foldable_nodes, is_call, placeholders, tensor_val, writes_in_place
 
 log = logging.getLogger("mindiesd.compilation")
 
@@ -96,7 +96,7 @@ def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional[
     # are left to the main graph, which recomputes them from their (folded or weight) inputs.
     while True:
         frontier = _frontier(gm, constant, static)
-        unfold = [n for n in frontier if _is_view(n) or not isinstance(n.meta.get("val"), torch.Tensor)]
+        unfold = [n for n in frontier if _is_view(n) or tensor_val(n) is None]
         if not unfold:
             break
         constant.difference_update(unfold)

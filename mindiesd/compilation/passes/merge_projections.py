@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx_utils import (Emitter, erase_unused, fake_call, foldable_nodes, is_call, same_layout, tensor_val,
+from ..fx_utils import (Emitter, erase_unused, fake_call, foldable_nodes, is_call, same_layout, tensor_val, val,
                         writes_in_place)
 from ..matcher import match
 from .patterns import GEMM, is_transpose
@@ -153,7 +153,7 @@ class MergeProjectionsPass:
             for p in members:
                 slices.append(emit(aten.slice.Tensor, out, 1, offset, offset + p.width))
                 offset += p.width
-            updates = self._propagate(graph, {p.node: s.meta["val"] for p, s in zip(members, slices)}, anchor)
+            updates = self._propagate(graph, {p.node: val(s) for p, s in zip(members, slices)}, anchor)
         except Exception as exc:  # a fake kernel refused the merged shapes: leave the layers as they were
             explain_log.debug("merge_projections: not merged at %%%s: %s", anchor.name, exc)
             updates = None
@@ -189,12 +189,12 @@ class MergeProjectionsPass:
                 return None
             try:
                 value = fake_call(node.target, node.args, node.kwargs,
-                                  lambda n: values[n] if n in values else n.meta.get("val"))
+                                  lambda n: values[n] if n in values else val(n))
             except Exception as exc:
                 explain_log.debug("merge_projections: not merged at %%%s: %s (%s) cannot take a slice: %s",
                                   anchor.name, node.name, node.target, exc)
                 return None
-            if not same_layout(value, node.meta.get("val")):
+            if not same_layout(value, val(node)):
                 values[node] = value
                 updates[node] = value
         return updates
