@@ -2,7 +2,8 @@
 
 The aten graph is split in two: a *fold* graph that computes, from the weights alone, every value the rest of the
 graph needs (a transposed or upcast weight, RoPE frequency tables built from buffers, ``arange`` tables...),
-and a *main* graph that takes those folded values as inputs in place of the weights they came from.
+and a *main* graph that takes those folded values as inputs in place of the weights they came from. What can be
+folded is :func:`~mindiesd.compilation.fx_utils.foldable_nodes`, the definition the freeze-stage rewrites use too.
 
 Folded values are computed on the first call and cached per set of weights. The cache is keyed on the identity
 of the weight tensors and checked against their storage pointer and version counter on every call, so one
@@ -34,14 +35,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from .fx_utils import foldable_nodes, is_call, placeholders, tensor_val, writes_in_place
+
 log = logging.getLogger("mindiesd.compilation")
 
 __all__ = ["split_constants", "constant_inputs", "FrozenGraph", "clear_frozen_caches", "add_release_listener", "MAX_WEIGHT_SETS"]
 
 #: How many weight sets one compiled graph keeps folded values for (least recently used evicted first).
 MAX_WEIGHT_SETS = 256
-#: A folded value may be larger than the weights it is computed from only up to this many elements.
-_MAX_EXPANDED_NUMEL = 1 << 20
 
 _live_graphs: "weakref.WeakSet[FrozenGraph]" = weakref.WeakSet()
 _release_listeners: List[Callable[[Sequence[torch.Tensor]], None]] = []
@@ -65,28 +66,10 @@ def _released(tensors: Sequence[torch.Tensor]) -> None:
             listener(tensors)
 
 
-def _numel(value: Any) -> Optional[int]:
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return int(value.numel())
-    except Exception:  # symbolic
-        return None
-
-
-def _is_foldable_op(node: Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
-        return False
-    return target.namespace in ("aten", "prims")
-
-
 def _mutated_placeholders(gm: GraphModule) -> Set[Node]:
     mutated = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        if writes_in_place(node):
             for arg, schema_arg in zip(node.args, node.target._schema.arguments):
                 if isinstance(arg, Node) and arg.op == "placeholder" and schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
                     mutated.add(arg)
@@ -96,40 +79,24 @@ def _mutated_placeholders(gm: GraphModule) -> Set[Node]:
 def constant_inputs(gm: GraphModule, static_indices: Sequence[int]) -> Set[Node]:
     """The placeholders of ``gm`` that freezing treats as constants: the weights (``static_indices``) that the
     graph does not write to."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {placeholders[i] for i in static_indices if i < len(placeholders)} - _mutated_placeholders(gm)
+    inputs = placeholders(gm.graph)
+    return {inputs[i] for i in static_indices if i < len(inputs)} - _mutated_placeholders(gm)
 
 
 def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional["FrozenGraph"]:
     """Split ``gm`` into fold and main graphs; None when nothing can be folded."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = placeholders(gm.graph)
     static = constant_inputs(gm, static_indices)
     if not static:
         return None
 
-    constant: Set[Node] = set(static)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not all(i in constant for i in node.all_input_nodes):
-            continue
-        if node.target is operator.getitem:
-            constant.add(node)
-            continue
-        if not _is_foldable_op(node):
-            continue
-        value = node.meta.get("val")
-        numel = _numel(value)
-        if numel is None and not isinstance(value, (list, tuple)):
-            continue  # symbolic or unknown size
-        input_numel = sum(_numel(i.meta.get("val")) or 0 for i in node.all_input_nodes)
-        if numel is not None and numel > max(input_numel, 1) and numel > _MAX_EXPANDED_NUMEL:
-            continue  # folding would materialise a broadcast
-        constant.add(node)
+    constant = foldable_nodes(gm.graph, static)
 
     # A view computes nothing: folding one only pins the weight's storage in the cache. Views at the boundary
     # are left to the main graph, which recomputes them from their (folded or weight) inputs.
     while True:
         frontier = _frontier(gm, constant, static)
-        unfold = [n for n in frontier if _is_view(n) or not isinstance(n.meta.get("val"), torch.Tensor)]
+        unfold = [n for n in frontier if _is_view(n) or tensor_val(n) is None]
         if not unfold:
             break
         constant.difference_update(unfold)
@@ -138,10 +105,10 @@ def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional[
 
     fold_graph = Graph()
     env: Dict[Node, Node] = {}
-    fold_inputs = [i for i, p in enumerate(placeholders) if p in static]
+    fold_inputs = [i for i, p in enumerate(inputs) if p in static]
     for i in fold_inputs:
-        env[placeholders[i]] = fold_graph.placeholder(placeholders[i].name)
-        env[placeholders[i]].meta = dict(placeholders[i].meta)
+        env[inputs[i]] = fold_graph.placeholder(inputs[i].name)
+        env[inputs[i]].meta = dict(inputs[i].meta)
     needed = _ancestors(frontier)
     for node in gm.graph.nodes:
         if node in needed and node.op == "call_function":
@@ -155,7 +122,7 @@ def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional[
         main_env[node] = main_graph.placeholder(f"folded_{node.name}")
         main_env[node].meta = dict(node.meta)
     main_inputs: List[int] = []
-    for i, p in enumerate(placeholders):
+    for i, p in enumerate(inputs):
         if p in static and all(u in constant for u in p.users):
             continue
         main_env[p] = main_graph.placeholder(p.name)
@@ -201,18 +168,18 @@ def _ancestors(nodes: Sequence[Node]) -> Set[Node]:
 
 def _concatenations(fold: GraphModule) -> List[Tuple[int, List[int]]]:
     """The fold's outputs that are ``cat(dim 0)`` of two or more distinct inputs, each input in one of them only."""
-    placeholders = {n: i for i, n in enumerate(n for n in fold.graph.nodes if n.op == "placeholder")}
+    positions_of = {n: i for i, n in enumerate(placeholders(fold.graph))}
     output = next(n for n in fold.graph.nodes if n.op == "output")
     found: List[Tuple[int, List[int]]] = []
     used: Set[int] = set()
     for index, node in enumerate(output.args[0]):
-        if not (isinstance(node, Node) and node.op == "call_function" and node.target is torch.ops.aten.cat.default):
+        if not is_call(node, torch.ops.aten.cat.default):
             continue
         parts = node.args[0]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        if dim != 0 or len(parts) < 2 or not all(isinstance(p, Node) and p in placeholders for p in parts):
+        if dim != 0 or len(parts) < 2 or not all(isinstance(p, Node) and p in positions_of for p in parts):
             continue
-        positions = [placeholders[p] for p in parts]
+        positions = [positions_of[p] for p in parts]
         if len(set(positions)) != len(positions) or used & set(positions):
             continue
         used.update(positions)

@@ -25,22 +25,17 @@ import operator
 import torch
 from torch.fx import Node
 
+from .fx_utils import is_call, val
+
 aten = torch.ops.aten
 
 __all__ = [
     "Pattern", "Op", "Var", "Lit", "Cast", "OutCast", "Alt", "Match", "match", "is_self_contained", "strip_casts",
-    "near", "val", "CAST_OPS", "explain",
+    "exactly", "near", "CAST_OPS", "explain",
 ]
 
 #: Ops that change only the dtype of a tensor (when called with a dtype alone).
 CAST_OPS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-
-
-def val(node: Any) -> Any:
-    """The example value (a FakeTensor) that tracing recorded for a node, or the literal itself."""
-    if isinstance(node, Node):
-        return node.meta.get("val")
-    return node
 
 
 @dataclass
@@ -142,6 +137,11 @@ class Lit(Pattern):
 
     def describe(self) -> str:
         return f"Lit({self.name!r})" if self.name else "Lit()"
+
+
+def exactly(target: float) -> Callable[[Any], bool]:
+    """A predicate for a literal equal to ``target`` (``1`` and ``1.0`` alike)."""
+    return lambda v: v == target
 
 
 def near(target: float, rel: float = 1e-6) -> Callable[[Any], bool]:
@@ -274,7 +274,7 @@ class Alt(Pattern):
 
 
 def _is_dtype_cast(value: Any, lossy: bool = False) -> bool:
-    if not isinstance(value, Node) or value.op != "call_function" or value.target not in CAST_OPS:
+    if not is_call(value, *CAST_OPS):
         return False
     if value.target is aten._to_copy.default and (
         not set(value.kwargs) <= {"dtype", "layout", "device"} or len(value.args) != 1

@@ -8,21 +8,17 @@ Covered: AdaLayerNormZero (``scale[:, None]`` added to 1 after the unsqueeze), A
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from ..matcher import Alt, Cast, Lit, Op, OutCast, Var
-from .base import FusionPass, Rule, tensor_val
+from ..fx_utils import float_tensor, tensor_val
+from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
+from .base import FusionPass, Rule
+from .patterns import item
 
 aten = torch.ops.aten
 
-_norm = Op(
-    operator.getitem,
-    Op(aten.native_layer_norm.default, Cast(Var("x")), Var("normalized_shape"), None, None, Lit("eps")),
-    0,
-)
-_one_plus_scale = Op((aten.add.Tensor, aten.add.Scalar), Var("scale"), Lit(check=lambda v: v == 1), commutative=True)
+_norm = item(Op(aten.native_layer_norm.default, Cast(Var("x")), Var("normalized_shape"), None, None, Lit("eps")), 0)
+_one_plus_scale = Op((aten.add.Tensor, aten.add.Scalar), Var("scale"), Lit(check=exactly(1)), commutative=True)
 # (1 + scale) may be reshaped after the addition; the reshape is then re-applied to scale itself.
 _factor = Alt(
     _one_plus_scale,
@@ -38,8 +34,8 @@ _shifted = Alt(
 
 
 def _check(m, root):
-    x = tensor_val(m["x"])
-    if x is None or x.dim() == 0 or not x.dtype.is_floating_point:
+    x = float_tensor(m["x"], min_rank=1)
+    if x is None:
         return "x is not a floating-point tensor of rank >= 1"
     shape = m["normalized_shape"]
     if not isinstance(shape, (list, tuple)) or len(shape) != 1 or shape[0] != x.shape[-1]:

@@ -3,13 +3,12 @@
 A rule's pattern is tried only on nodes whose target its root can have (:meth:`Pattern.roots`). A match then
 goes to the rule's check, which returns None to accept it or the reason it is not fused (values the pattern
 cannot express: dtypes, dims, sizes), and only then to its builder, which emits the fused node (and any small
-helper nodes) through :class:`Emitter`, which computes each new node's example value with the graph's fake mode. The rewrite is kept
-only when the fused node's value has exactly the shape, dtype and strides of the node it replaces (the layout
-rule of ``mindiesd.ops._layout``: a later ``view``, or the next compiled region's stride guards, depend on the
-strides); otherwise the new nodes are removed and the graph is left as it was. Sizes and strides are compared
-with ``statically_known_true`` so that symbolic shapes (``dynamic=True``) never add guards after tracing: what
-cannot be proven equal is not fused. After a rewrite the nodes of the match that nothing reads any more are
-erased (no dead-code pass per match).
+helper nodes) through :class:`~mindiesd.compilation.fx_utils.Emitter`, which computes each new node's example
+value with the graph's fake mode. The rewrite is kept only when the fused node's value has exactly the shape,
+dtype and strides of the node it replaces (:func:`~mindiesd.compilation.fx_utils.same_layout`: a later ``view``,
+or the next compiled region's stride guards, depend on the strides); otherwise the new nodes are removed and the
+graph is left as it was. What cannot be proven equal under symbolic shapes is not fused. After a rewrite the
+nodes of the match that nothing reads any more are erased (no dead-code pass per match).
 
 With the logger ``mindiesd.compilation.explain`` at DEBUG, every node a rule could root at but that was not fused
 is logged with the reason: the sub-pattern that failed (:func:`~mindiesd.compilation.matcher.explain`), the
@@ -21,38 +20,16 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-import torch
-from torch._guards import detect_fake_mode
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx import GraphModule, Node
 
-from ..matcher import Match, Pattern, explain, is_self_contained, match, val
+from ..fx_utils import Emitter, erase_unused, same_layout, tensor_val
+from ..matcher import Match, Pattern, explain, is_self_contained, match
 
 explain_log = logging.getLogger("mindiesd.compilation.explain")
 
-__all__ = ["FusionPass", "Rule", "Emitter", "same_shape", "known_eq", "tensor_val", "last_dim_index"]
-
-
-def known_eq(a: Any, b: Any) -> bool:
-    """a == b, provably (False when symbolic and undecidable). A node stands for its traced value, as a size
-    argument computed in the graph (``sym_size``) does under ``dynamic=True``."""
-    a, b = (val(v) if isinstance(v, Node) else v for v in (a, b))
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:
-        return False
-
-
-def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    return len(a) == len(b) and all(known_eq(x, y) for x, y in zip(a, b))
-
-
-def tensor_val(value: Any) -> Optional[torch.Tensor]:
-    """The example tensor of a node, or None for literals and non-tensor nodes."""
-    v = val(value) if isinstance(value, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
+__all__ = ["FusionPass", "Rule", "last_dim_index"]
 
 
 def last_dim_index(dims: Any, rank: int) -> bool:
@@ -62,64 +39,6 @@ def last_dim_index(dims: Any, rank: int) -> bool:
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
         return False
     return dims[0] in (-1, rank - 1)
-
-
-class Emitter:
-    """Creates nodes before ``anchor`` and gives each the example value its target computes on fake inputs."""
-
-    def __init__(self, graph: Graph, anchor: Node):
-        self.graph, self.anchor = graph, anchor
-        self.created: List[Node] = []
-
-    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, tuple(args), kwargs)
-        self.created.append(node)
-        fake_args = torch.fx.node.map_arg(args, _fake_value)
-        fake_kwargs = torch.fx.node.map_arg(kwargs, _fake_value)
-        fake_mode = detect_fake_mode(_flat((fake_args, fake_kwargs)))
-        if fake_mode is None:
-            raise RuntimeError("no fake tensor mode on the graph's values")
-        with fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
-        return node
-
-    def host_scalar(self, tensor: Node) -> Node:
-        """A node reading the value of a 0-dim CPU tensor as a Python number at run time (``.item()``); its traced
-        value is a fresh unbacked symbol, as Dynamo's own ``.item()`` gives."""
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(torch.ops.aten._local_scalar_dense.default, (tensor,))
-        self.created.append(node)
-        value = tensor.meta["val"]
-        fake_mode = detect_fake_mode([value])
-        shape_env = getattr(fake_mode, "shape_env", None)
-        if shape_env is None:
-            raise RuntimeError("a host scalar needs the symbolic shape environment of dynamic=True")
-        node.meta["val"] = (shape_env.create_unbacked_symfloat() if value.dtype.is_floating_point
-                            else shape_env.create_unbacked_symint())
-        node.meta[_HOST_SCALAR] = 1.0 if value.dtype.is_floating_point else 1
-        return node
-
-    def discard(self) -> None:
-        for node in reversed(self.created):
-            if not node.users:
-                self.graph.erase_node(node)
-        self.created.clear()
-
-
-_HOST_SCALAR = "mindiesd_host_scalar"
-
-
-def _fake_value(node: Node) -> Any:
-    """A node's traced value; for a host scalar (read at run time), a stand-in number: a fused op's fake uses
-    shapes and dtypes only, and an op schema's ``float`` does not take a symbol."""
-    return node.meta.get(_HOST_SCALAR, node.meta["val"]) if _HOST_SCALAR in node.meta else node.meta["val"]
-
-
-def _flat(args: Any) -> List[Any]:
-    out: List[Any] = []
-    torch.fx.node.map_aggregate(args, lambda x: out.append(x) if isinstance(x, torch.Tensor) else None)
-    return out
 
 
 Builder = Callable[[Match, Node, Emitter], Optional[Node]]
@@ -203,7 +122,7 @@ class FusionPass:
                     continue
                 fused.meta["mindiesd_rule"] = f"{self.family}:{rule.name}"
                 node.replace_all_uses_with(fused)
-                _erase_unused(m.interior + m.shared)  # so that no later match counts a dead leftover
+                erase_unused(m.interior + m.shared)  # so that no later match counts a dead leftover
                 replaced += 1
                 self.hits[rule.name] += 1
                 break
@@ -226,22 +145,5 @@ class FusionPass:
     def _same_result(fused: Node, original: Node) -> bool:
         """Shape, dtype and strides equal: the fused value can stand wherever the replaced one was read."""
         new, old = tensor_val(fused), tensor_val(original)
-        return (
-            new is not None and old is not None and new.dtype == old.dtype and new.device == old.device
-            and same_shape(new.shape, old.shape) and same_shape(new.stride(), old.stride())
-        )
+        return new is not None and old is not None and same_layout(new, old)
 
-
-def _erase_unused(nodes: Sequence[Node]) -> None:
-    """Erase the nodes nothing reads any more; erasing one may free its inputs among ``nodes``, so repeat."""
-    pending = {node: None for node in nodes}  # ordered, unique
-    progress = True
-    while pending and progress:
-        progress = False
-        for node in list(pending):
-            if getattr(node, "_erased", False):
-                del pending[node]
-            elif not node.users:
-                node.graph.erase_node(node)
-                del pending[node]
-                progress = True

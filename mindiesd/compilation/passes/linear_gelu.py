@@ -2,10 +2,10 @@
 
 The aten graph of ``F.gelu(F.linear(x, w, b), approximate="tanh")`` is ``gelu(view(addmm(b, x2d, t(w))))``
 (``mm`` without a bias, no ``view`` for 2-D inputs); the GELU is either ``aten.gelu(approximate="tanh")`` or
-the explicit formula of :mod:`.fast_gelu`. The fused op takes the untransposed weight and the 2-D input, and
+the explicit formula (:mod:`.patterns`). The fused op takes the untransposed weight and the 2-D input, and
 the ``view`` back to the layer's shape is kept after it. This pass runs before fast_gelu, which would
-otherwise take the GELU away from its matmul; where the device has no fast epilogue (see
-:mod:`mindiesd.families`) it is skipped and fast_gelu fuses the GELU alone.
+otherwise take the GELU away from its matmul; where the device has no fast epilogue (its family declaration
+says so) it is skipped and fast_gelu fuses the GELU alone.
 """
 
 from __future__ import annotations
@@ -14,23 +14,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..matcher import Alt, Match, Op, Pattern, Var
-from .base import FusionPass, Rule, tensor_val
-from .fast_gelu import _ExplicitTanhGelu
-
-aten = torch.ops.aten
-
-#: ``w.T``: the transpose that aot emits for a linear layer's weight (shared: it may feed other nodes too).
-_WEIGHT_T = Alt(
-    Op(aten.t.default, Var("w"), shared=True),
-    Op(aten.permute.default, Var("w"), Var("perm"), shared=True),
-)
-_GEMM = Alt(
-    Op(aten.addmm.default, Var("b"), Var("x"), _WEIGHT_T),
-    Op(aten.mm.default, Var("x"), _WEIGHT_T),
-)
-#: The linear layer's output: the GEMM, or its view back to the input's leading dimensions.
-_LINEAR = Alt(Op((aten.view.default, aten._unsafe_view.default), _GEMM, Var("shape")), _GEMM)
+from ..fx_utils import tensor_val
+from ..matcher import Match, Pattern
+from .base import FusionPass, Rule
+from .patterns import LINEAR, ExplicitTanhGelu, aten_tanh_gelu, is_transpose
 
 
 class _LinearUnder(Pattern):
@@ -48,14 +35,14 @@ class _LinearUnder(Pattern):
     def match(self, value: Any, m: Match) -> bool:
         if not self.inner.match(value, m):
             return False
-        return _LINEAR.match(m.bindings.pop("x"), m)
+        return LINEAR.match(m.bindings.pop("x"), m)
 
 
 def _check(m: Match, root) -> Optional[str]:
     x, w, b = tensor_val(m["x"]), tensor_val(m["w"]), tensor_val(m.get("b"))
     if x is None or w is None or x.dim() != 2 or w.dim() != 2:
         return "the matmul's operands are not 2-D tensors"
-    if "perm" in m.bindings and list(m["perm"]) != [1, 0]:
+    if "perm" in m.bindings and not is_transpose(m["perm"]):
         return "the weight's permutation is not a transpose"
     if not x.dtype.is_floating_point or w.dtype != x.dtype or (b is not None and (b.dtype != x.dtype or b.dim() != 1)):
         return "the operands are not floating-point tensors of one dtype (a 1-D bias)"
@@ -65,12 +52,12 @@ def _check(m: Match, root) -> Optional[str]:
 def _build(m: Match, root, emit):
     fused = emit(torch.ops.mindiesd.linear_gelu.default, m["x"], m["w"], m.get("b"))
     shape = m.get("shape")
-    return emit(aten.view.default, fused, shape) if shape is not None else fused
+    return emit(torch.ops.aten.view.default, fused, shape) if shape is not None else fused
 
 
 class LinearGeluPass(FusionPass):
     family = "linear_gelu"
     rules = (
-        Rule("aten_gelu_tanh", Op(aten.gelu.default, _LINEAR, kwargs={"approximate": "tanh"}), _build, _check),
-        Rule("explicit_formula", _LinearUnder(_ExplicitTanhGelu()), _build, _check),
+        Rule("aten_gelu_tanh", aten_tanh_gelu(LINEAR), _build, _check),
+        Rule("explicit_formula", _LinearUnder(ExplicitTanhGelu()), _build, _check),
     )

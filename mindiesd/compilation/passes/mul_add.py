@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ..fx_utils import tensor_val
 from ..matcher import Op, Var
-from .base import FusionPass, Rule, tensor_val
+from .base import FusionPass, Rule
 
 aten = torch.ops.aten
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from ..matcher import Alt, Cast, Lit, Op, OutCast, Var
-from .base import FusionPass, Rule, last_dim_index, tensor_val
+from ..fx_utils import float_tensor, tensor_val
+from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
+from .base import FusionPass, Rule, last_dim_index
 
 aten = torch.ops.aten
 
 _x = Cast(Var("x"))
 _square = Alt(
-    Op(aten.pow.Tensor_Scalar, _x, Lit(check=lambda v: v == 2)),
+    Op(aten.pow.Tensor_Scalar, _x, Lit(check=exactly(2))),
     Op(aten.mul.Tensor, _x, _x),
 )
 _mean_square = Op(aten.mean.dim, _square, Var("dims"), True)
@@ -33,8 +34,8 @@ _weighted = Op(aten.mul.Tensor, Cast(_normalized, lossy=True, shared=False), Cas
 
 
 def _check(m, root):
-    x = tensor_val(m["x"])
-    if x is None or not x.dtype.is_floating_point or x.dim() == 0:
+    x = float_tensor(m["x"], min_rank=1)
+    if x is None:
         return "x is not a floating-point tensor of rank >= 1"
     if not last_dim_index(m["dims"], x.dim()):
         return f"the mean runs over dims {m['dims']}, not the last dimension alone"

@@ -18,28 +18,25 @@ replaced node.
 
 from __future__ import annotations
 
-import operator
+import functools
 
 import torch
 
-from ..matcher import Cast, Lit, Op, OutCast, Var, val
-from .base import FusionPass, Rule, known_eq, same_shape, tensor_val
+from ..fx_utils import float_tensor, known_eq, same_shape, tensor_val, val
+from ..matcher import Cast, Lit, Op, OutCast, Var
+from .base import FusionPass, Rule
+from .patterns import item
 
 aten = torch.ops.aten
-getitem = operator.getitem
 
 _X = Var("x")
-
-
-def _item(source, index):
-    return Op(getitem, source, index)
 
 
 # -- interleaved (Flux) ----------------------------------------------------------------------------------------
 _pairs = Op(aten.unbind.int, Op(aten.view.default, _X, Var("pair_shape")), Lit("pair_dim"), name="pairs")
 _rot_interleaved = Op(
     aten.view.default,
-    Op(aten.stack.default, [Op(aten.neg.default, _item(_pairs, 1)), _item(_pairs, 0)], Lit("stack_dim")),
+    Op(aten.stack.default, [Op(aten.neg.default, item(_pairs, 1)), item(_pairs, 0)], Lit("stack_dim")),
     Var("rot_shape"),
 )
 
@@ -58,9 +55,16 @@ def _rotary_sum(rotated):
 
 # -- half-rotated ----------------------------------------------------------------------------------------------
 _halves_unbind = Op(aten.unbind.int, Op(aten.view.default, _X, Var("half_shape")), Lit("half_dim"), name="halves")
-_rot_half_unbind = Op(aten.cat.default, [Op(aten.neg.default, _item(_halves_unbind, 1)), _item(_halves_unbind, 0)], Lit("cat_dim"))
 _halves_split = Op(aten.split.Tensor, _X, Lit("split_size"), Lit("split_dim"), name="halves")
-_rot_half_split = Op(aten.cat.default, [Op(aten.neg.default, _item(_halves_split, 1)), _item(_halves_split, 0)], Lit("cat_dim"))
+
+
+def _rotate_halves(halves):
+    """``cat([-x2, x1], -1)`` of the two halves of x."""
+    return Op(aten.cat.default, [Op(aten.neg.default, item(halves, 1)), item(halves, 0)], Lit("cat_dim"))
+
+
+_rot_half_unbind = _rotate_halves(_halves_unbind)
+_rot_half_split = _rotate_halves(_halves_split)
 _rot_half_slice = Op(
     aten.cat.default,
     [
@@ -73,13 +77,13 @@ _rot_half_slice = Op(
 # -- Wan (strided writes into empty_like) ----------------------------------------------------------------------
 _even = Op(
     aten.sub.Tensor,
-    Op(aten.mul.Tensor, _item(_pairs, 0), Var("cos"), commutative=True),
-    Op(aten.mul.Tensor, _item(_pairs, 1), Var("sin"), commutative=True),
+    Op(aten.mul.Tensor, item(_pairs, 0), Var("cos"), commutative=True),
+    Op(aten.mul.Tensor, item(_pairs, 1), Var("sin"), commutative=True),
 )
 _odd = Op(
     aten.add.Tensor,
-    Op(aten.mul.Tensor, _item(_pairs, 0), Var("sin"), commutative=True),
-    Op(aten.mul.Tensor, _item(_pairs, 1), Var("cos"), commutative=True),
+    Op(aten.mul.Tensor, item(_pairs, 0), Var("sin"), commutative=True),
+    Op(aten.mul.Tensor, item(_pairs, 1), Var("cos"), commutative=True),
     commutative=True,
 )
 
@@ -141,20 +145,26 @@ def _norm_dim(dim, rank):
     return dim + rank if isinstance(dim, int) and dim < 0 else dim
 
 
-def _x_info(m):
-    """(x, D) when x is a floating-point tensor whose last dim is not provably odd, else None."""
-    x = tensor_val(m["x"])
-    if x is None or x.dim() < 1 or not x.dtype.is_floating_point:
-        return None
-    d = x.shape[-1]
-    # Under dynamic=True d is symbolic; each form's pair or half view then implies that d is even (eager's
-    # view would fail otherwise), and the fused op checks it again at run time.
-    if isinstance(d, int) and d % 2:
-        return None
-    return x, d
-
-
 _NO_X = "x is not a floating-point tensor with an even last dimension"
+
+
+def _of_even_x(check):
+    """A rule's check that first requires x to be a floating-point tensor whose last dim D is not provably odd,
+    then runs ``check(m, x, D)``."""
+
+    @functools.wraps(check)
+    def checked(m, root):
+        x = float_tensor(m["x"], min_rank=1)
+        if x is None:
+            return _NO_X
+        d = x.shape[-1]
+        # Under dynamic=True d is symbolic; each form's pair or half view then implies that d is even (eager's
+        # view would fail otherwise), and the fused op checks it again at run time.
+        if isinstance(d, int) and d % 2:
+            return _NO_X
+        return check(m, x, d)
+
+    return checked
 
 
 def _pair_view_ok(m, x, d):
@@ -180,25 +190,28 @@ def _tables_ok(*tables):
     return all(tensor_val(t) is not None for t in tables)
 
 
+def _per_pair(table, d):
+    """A table with one entry per pair of x's last dim (or one broadcast over all of them)."""
+    return table.dim() > 0 and (known_eq(table.shape[-1], d // 2) or known_eq(table.shape[-1], 1))
+
+
 def _emit(m, root, emit, interleaved, cos, sin):
     out_dtype = tensor_val(root).dtype
     return emit(torch.ops.mindiesd.rope.default, m["x"], cos, sin, interleaved, out_dtype=out_dtype)
 
 
-def _check_interleaved(m, root):
-    info = _x_info(m)
-    if info is None:
-        return _NO_X
-    x, d = info
+def _build_from_tables(interleaved):
+    """The builder of a form whose bound ``cos`` and ``sin`` are the fused op's tables as they are."""
+    return lambda m, root, emit: _emit(m, root, emit, interleaved, m["cos"], m["sin"])
+
+
+@_of_even_x
+def _check_interleaved(m, x, d):
     if not _pairs_ok(m, x, d):
         return "x is not viewed as [..., D/2, 2] and unbound along the pairs"
     if _norm_dim(m["stack_dim"], x.dim() + 1) != x.dim() or not same_shape(m["rot_shape"], x.shape):
         return "the rotated pairs are not stacked last and viewed back to x's shape"
     return None if _tables_ok(m["cos"], m["sin"]) else "cos or sin is not a tensor"
-
-
-def _build_interleaved(m, root, emit):
-    return _emit(m, root, emit, True, m["cos"], m["sin"])
 
 
 def _halves_ok(m, x, d):
@@ -220,11 +233,8 @@ def _halves_ok(m, x, d):
             and _reaches_end(m["hi_end"], d))
 
 
-def _check_half(m, root):
-    info = _x_info(m)
-    if info is None:
-        return _NO_X
-    x, d = info
+@_of_even_x
+def _check_half(m, x, d):
     if _norm_dim(m["cat_dim"], x.dim()) != x.dim() - 1:
         return "the rotated halves are not concatenated along the last dimension"
     if not _halves_ok(m, x, d):
@@ -232,39 +242,25 @@ def _check_half(m, root):
     return None if _tables_ok(m["cos"], m["sin"]) else "cos or sin is not a tensor"
 
 
-def _build_half(m, root, emit):
-    return _emit(m, root, emit, False, m["cos"], m["sin"])
-
-
-def _check_wan(m, root):
-    info = _x_info(m)
-    if info is None:
-        return _NO_X
-    x, d = info
+@_of_even_x
+def _check_wan(m, x, d):
     if not _pairs_ok(m, x, d) or _norm_dim(m["w_dim"], x.dim()) != x.dim() - 1 or not _reaches_end(m["w_end"], d):
         return "the even and odd outputs are not written over the whole last dimension of x"
     for name in ("cos", "sin"):
         t = tensor_val(m[name])
-        if t is None or t.dim() == 0 or not (known_eq(t.shape[-1], d // 2) or known_eq(t.shape[-1], 1)):
+        if t is None or not _per_pair(t, d):
             return f"{name} is not a per-pair table (last dim D/2 or 1)"
     return None
 
 
-def _build_wan(m, root, emit):
-    return _emit(m, root, emit, True, m["cos"], m["sin"])
-
-
-def _check_complex(m, root):
-    info = _x_info(m)
-    if info is None:
-        return _NO_X
-    x, d = info
+@_of_even_x
+def _check_complex(m, x, d):
     freqs = tensor_val(m["freqs"])
     if freqs is None or not freqs.dtype.is_complex or freqs.dim() == 0:
         return "freqs is not a complex tensor"
     if not _pair_view_ok(m, x, d) or not same_shape(m["out_shape"], x.shape):
         return "x is not viewed as [..., D/2, 2], or the result not viewed back to x's shape"
-    if not (known_eq(freqs.shape[-1], d // 2) or known_eq(freqs.shape[-1], 1)):
+    if not _per_pair(freqs, d):
         return "freqs is not a per-pair table (last dim D/2 or 1)"
     return None
 
@@ -276,11 +272,8 @@ def _build_complex(m, root, emit):
     return _emit(m, root, emit, True, cos, sin)
 
 
-def _check_matrix(m, root):
-    info = _x_info(m)
-    if info is None:
-        return _NO_X
-    x, d = info
+@_of_even_x
+def _check_matrix(m, x, d):
     rank = x.dim()
     shape = m["pair_shape"]
     if not (isinstance(shape, (list, tuple)) and len(shape) == rank + 2 and shape[-1] == 2 and shape[-2] == 1
@@ -322,12 +315,12 @@ def _build_matrix(m, root, emit):
 class RoPEPass(FusionPass):
     family = "rope"
     rules = (
-        Rule("interleaved", _rotary_sum(_rot_interleaved), _build_interleaved, _check_interleaved),
-        Rule("half_unbind", _rotary_sum(_rot_half_unbind), _build_half, _check_half),
-        Rule("half_split", _rotary_sum(_rot_half_split), _build_half, _check_half),
-        Rule("half_slice", _rotary_sum(_rot_half_slice), _build_half, _check_half),
-        Rule("wan_even_first", OutCast(_wan_even_first), _build_wan, _check_wan),
-        Rule("wan_odd_first", OutCast(_wan_odd_first), _build_wan, _check_wan),
+        Rule("interleaved", _rotary_sum(_rot_interleaved), _build_from_tables(True), _check_interleaved),
+        Rule("half_unbind", _rotary_sum(_rot_half_unbind), _build_from_tables(False), _check_half),
+        Rule("half_split", _rotary_sum(_rot_half_split), _build_from_tables(False), _check_half),
+        Rule("half_slice", _rotary_sum(_rot_half_slice), _build_from_tables(False), _check_half),
+        Rule("wan_even_first", OutCast(_wan_even_first), _build_from_tables(True), _check_wan),
+        Rule("wan_odd_first", OutCast(_wan_odd_first), _build_from_tables(True), _check_wan),
         Rule("complex", _complex, _build_complex, _check_complex),
         Rule("matrix", _matrix, _build_matrix, _check_matrix),
     )

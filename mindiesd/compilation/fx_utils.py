@@ -1,0 +1,199 @@
+"""The FX toolkit that freezing, the matcher and every pass share: reading the traced values of nodes, comparing
+layouts, the one definition of a foldable constant, emitting nodes with their fake values, and erasing leftovers.
+
+Sizes and strides are compared with ``statically_known_true``, so that symbolic shapes (``dynamic=True``) never
+add guards after tracing: what cannot be proven equal counts as different.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+__all__ = [
+    "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "known_eq", "same_shape", "same_layout",
+    "foldable_nodes", "fake_call", "Emitter", "erase_unused", "MAX_EXPANDED_NUMEL",
+]
+
+#: A folded value may be larger than the weights it is computed from only up to this many elements.
+MAX_EXPANDED_NUMEL = 1 << 20
+
+
+def val(node: Any) -> Any:
+    """The example value (a FakeTensor) that tracing recorded for a node, or the literal itself."""
+    if isinstance(node, Node):
+        return node.meta.get("val")
+    return node
+
+
+def tensor_val(value: Any) -> Optional[torch.Tensor]:
+    """The example tensor of a node, or None for literals and non-tensor nodes."""
+    v = val(value) if isinstance(value, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def float_tensor(value: Any, min_rank: int = 0) -> Optional[torch.Tensor]:
+    """The example tensor of a node when it is floating point with at least ``min_rank`` dims, else None."""
+    v = tensor_val(value)
+    return v if v is not None and v.dtype.is_floating_point and v.dim() >= min_rank else None
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """True when ``node`` is a call of one of ``targets``."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def writes_in_place(node: Node) -> bool:
+    """True when ``node`` calls an op whose schema mutates one of its arguments."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+def placeholders(graph: Graph) -> List[Node]:
+    """The graph's inputs, in order."""
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def known_eq(a: Any, b: Any) -> bool:
+    """a == b, provably (False when symbolic and undecidable). A node stands for its traced value, as a size
+    argument computed in the graph (``sym_size``) does under ``dynamic=True``."""
+    a, b = (val(v) if isinstance(v, Node) else v for v in (a, b))
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Equal sizes (or strides), provably."""
+    return len(a) == len(b) and all(known_eq(x, y) for x, y in zip(a, b))
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    """Tensors of one dtype, device, shape and strides (element-wise through tuples): one can stand wherever the
+    other is read. Two non-tensor values of one type count as the same."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.dtype == b.dtype and a.device == b.device and same_shape(a.shape, b.shape)
+                and same_shape(a.stride(), b.stride()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_layout(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor)
+
+
+def _numel(value: Any) -> Optional[int]:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return int(value.numel())
+    except Exception:  # symbolic
+        return None
+
+
+def _is_pure_aten(node: Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+        return False
+    return target.namespace in ("aten", "prims")
+
+
+def _foldable(node: Node) -> bool:
+    """A pure aten call whose value has a known size that folding would not blow up (a materialised broadcast)."""
+    if node.target is operator.getitem:
+        return node.op == "call_function"
+    if not _is_pure_aten(node):
+        return False
+    value = node.meta.get("val")
+    numel = _numel(value)
+    if numel is None:
+        return isinstance(value, (list, tuple))  # a tensor of symbolic or unknown size is not folded
+    input_numel = sum(_numel(i.meta.get("val")) or 0 for i in node.all_input_nodes)
+    return numel <= max(input_numel, 1) or numel <= MAX_EXPANDED_NUMEL
+
+
+def foldable_nodes(graph: Graph, constants: Set[Node]) -> Set[Node]:
+    """``constants`` and every node computed from them alone that freezing folds: the one definition of a
+    constant, shared by freezing's split and by the rewrites that run before it, so that they cannot disagree."""
+    constant = set(constants)
+    for node in graph.nodes:
+        if node.op == "call_function" and all(i in constant for i in node.all_input_nodes) and _foldable(node):
+            constant.add(node)
+    return constant
+
+
+def fake_call(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], value_of: Callable[[Node], Any]) -> Any:
+    """``target`` run on the fake values (``value_of(node)``) of its node arguments, in the graph's fake mode."""
+    fake_args, fake_kwargs = torch.fx.node.map_arg((tuple(args), kwargs), value_of)
+    fake_mode = detect_fake_mode((fake_args, fake_kwargs))
+    if fake_mode is None:
+        raise RuntimeError("no fake tensor mode on the graph's values")
+    with fake_mode:
+        return target(*fake_args, **fake_kwargs)
+
+
+_HOST_SCALAR = "mindiesd_host_scalar"
+
+
+def _fake_value(node: Node) -> Any:
+    """A node's traced value; for a host scalar (read at run time), a stand-in number: a fused op's fake uses
+    shapes and dtypes only, and an op schema's ``float`` does not take a symbol."""
+    return node.meta[_HOST_SCALAR] if _HOST_SCALAR in node.meta else node.meta["val"]
+
+
+class Emitter:
+    """Creates nodes before ``anchor`` and gives each the example value its target computes on fake inputs."""
+
+    def __init__(self, graph: Graph, anchor: Node):
+        self.graph, self.anchor = graph, anchor
+        self.created: List[Node] = []
+
+    def _insert(self, target: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, tuple(args), kwargs)
+        self.created.append(node)
+        return node
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        node = self._insert(target, args, kwargs)
+        node.meta["val"] = fake_call(target, args, kwargs, _fake_value)
+        return node
+
+    def host_scalar(self, tensor: Node) -> Node:
+        """A node reading the value of a 0-dim CPU tensor as a Python number at run time (``.item()``); its traced
+        value is a fresh unbacked symbol, as Dynamo's own ``.item()`` gives."""
+        node = self._insert(torch.ops.aten._local_scalar_dense.default, (tensor,), {})
+        value = tensor.meta["val"]
+        shape_env = getattr(detect_fake_mode([value]), "shape_env", None)
+        if shape_env is None:
+            raise RuntimeError("a host scalar needs the symbolic shape environment of dynamic=True")
+        floating = value.dtype.is_floating_point
+        node.meta["val"] = shape_env.create_unbacked_symfloat() if floating else shape_env.create_unbacked_symint()
+        node.meta[_HOST_SCALAR] = 1.0 if floating else 1
+        return node
+
+    def discard(self) -> None:
+        """Erase the nodes this emitter created that nothing reads (all of them, when none was put to use)."""
+        erase_unused(self.created)
+        self.created.clear()
+
+
+def erase_unused(nodes: Iterable[Any]) -> None:
+    """Erase the calls among ``nodes`` that nothing reads any more; erasing one may free its inputs among
+    ``nodes``, so repeat. Nodes outside ``nodes`` are left alone (no dead-code pass over the graph)."""
+    pending = {node: None for node in nodes if isinstance(node, Node) and node.op == "call_function"}
+    progress = True
+    while pending and progress:
+        progress = False
+        for node in list(pending):
+            if getattr(node, "_erased", False):
+                del pending[node]
+            elif not node.users:
+                node.graph.erase_node(node)
+                del pending[node]
+                progress = True

@@ -1,0 +1,80 @@
+"""The FX toolkit: one definition of a foldable constant (freezing's split and merge_projections agree on it), the
+layout comparison, nodes emitted with their fake values, and erasing what became unused."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from mindiesd.compilation.freezing import split_constants
+from mindiesd.compilation.fx_utils import Emitter, erase_unused, foldable_nodes, placeholders, same_layout, tensor_val
+from mindiesd.compilation.passes.merge_projections import MergeProjectionsPass
+
+aten = torch.ops.aten
+
+
+def traced(fn, *args):
+    """An aten graph with a fake value on every node."""
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def targets(nodes):
+    return {n.target for n in nodes if n.op == "call_function"}
+
+
+def test_foldable_nodes_are_what_pure_aten_ops_compute_from_the_weights_alone():
+    def fn(x, w):
+        return x @ (w * 2.0).t() + torch.rand_like(w).sum()
+
+    gm = traced(fn, torch.randn(3, 4), torch.randn(5, 4))
+    x, w = placeholders(gm.graph)
+    constant = foldable_nodes(gm.graph, {w})
+    assert {aten.mul.Tensor, aten.t.default} <= targets(constant)
+    assert aten.rand_like.default not in targets(constant), "a random op is computed at each call"
+    assert not any(x in n.all_input_nodes for n in constant)
+
+
+def test_a_broadcast_too_large_to_fold_is_not_a_constant():
+    gm = traced(lambda x, w: x + w.expand(1024, 2048), torch.randn(1024, 2048), torch.randn(1, 2048))
+    x, w = placeholders(gm.graph)
+    assert foldable_nodes(gm.graph, {w}) == {w}
+
+
+def _projections(weight_of):
+    def fn(x, wq, wk, wv):
+        weights = [weight_of(w) for w in (wq, wk, wv)]
+        return sum((x @ w.t()).sum(-1) for w in weights)
+
+    return fn
+
+
+def test_merged_projections_are_folded_by_freezing():
+    gm = traced(_projections(lambda w: w), torch.randn(3, 8), *(torch.randn(4, 8) for _ in range(3)))
+    assert MergeProjectionsPass()(gm, set(placeholders(gm.graph)[1:])) == 1
+    frozen = split_constants(gm, [1, 2, 3])
+    assert frozen is not None and frozen.concatenations, "the concatenated weight is one of the folded values"
+
+
+def test_projections_of_weights_freezing_would_not_fold_are_not_merged():
+    gm = traced(_projections(lambda w: w.expand(2048, 1024)), torch.randn(3, 1024),
+                *(torch.randn(1, 1024) for _ in range(3)))
+    assert MergeProjectionsPass()(gm, set(placeholders(gm.graph)[1:])) == 0
+
+
+def test_same_layout_compares_dtype_shape_and_strides_through_tuples():
+    a = torch.empty(4, 6)
+    assert same_layout(a, torch.empty(4, 6)) and same_layout((a, 1), (torch.empty(4, 6), 2))
+    assert not same_layout(a, torch.empty(6, 4).t()), "same shape, other strides"
+    assert not same_layout(a, a.double()) and not same_layout(a, None)
+
+
+def test_emitted_nodes_carry_fake_values_and_erase_unused_keeps_what_is_read_or_unlisted():
+    gm = traced(lambda x: x.relu(), torch.randn(2, 3))
+    (x,) = placeholders(gm.graph)
+    relu = next(n for n in gm.graph.nodes if n.target == aten.relu.default)
+    emit = Emitter(gm.graph, relu)
+    sin = emit(aten.sin.default, emit(aten.t.default, x))
+    assert tuple(tensor_val(sin).shape) == (3, 2) and tuple(tensor_val(sin).stride()) == (1, 3)
+    kept = emit(aten.exp.default, x)
+    erase_unused([sin, sin.args[0], relu])
+    assert targets(gm.graph.nodes) == {aten.relu.default, aten.exp.default}, "relu is read by the output"
+    emit.discard()
+    assert targets(gm.graph.nodes) == {aten.relu.default} and kept not in gm.graph.nodes
