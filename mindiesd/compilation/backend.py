@@ -28,7 +28,7 @@ from torch.fx import GraphModule
 
 import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
-from .families import FAMILIES
+from .families import check_known
 from . import cache as graph_cache
 from .config import CompilationConfig
 from .context import GraphContext
@@ -78,9 +78,6 @@ class MindieSDBackend:
         self.force_fast: FrozenSet[str] = _known_families(force_fast)
         self._report = CompileReport()
         self.keep_graphs = keep_graphs
-        self.force_fast = frozenset(force_fast)
-        for name in self.force_fast:
-            family(name)  # an unknown name fails here, not at the first compile
         self.graphs: List[GraphModule] = []
         self.runners: List[DeviceGraphRunner] = []  # one per compiled graph when capture is on
 
@@ -143,11 +140,10 @@ class MindieSDBackend:
 
 
 def _known_families(names: Union[str, Iterable[str]]) -> FrozenSet[str]:
-    chosen = frozenset((names,) if isinstance(names, str) else names)
-    unknown = sorted(chosen - set(FAMILIES))
-    if unknown:
-        raise ValueError(f"force_fast: unknown fusion families {unknown}; known: {list(FAMILIES)}")
-    return chosen
+    try:
+        return check_known((names,) if isinstance(names, str) else tuple(names))
+    except ValueError as exc:
+        raise ValueError(f"force_fast: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------------- the stages

@@ -157,6 +157,14 @@ def family(name: str) -> FusionFamily:
         raise ValueError(f"unknown fusion family {name!r}; known: {list(FAMILIES)}") from None
 
 
+def check_known(names: Collection[str]) -> frozenset:
+    """``names`` as a set of family names; ValueError naming the unknown ones and the known."""
+    unknown = sorted(set(names) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown fusion families {unknown}; known: {list(FAMILIES)}")
+    return frozenset(names)
+
+
 def forced(names: Collection[str], device_type: str) -> frozenset:
     """``names`` as the families a run forces on ``device_type`` (``MindieSDBackend(force_fast=...)``);
     ValueError for an unknown family or one that declares no kernel or rewrite there."""
@@ -175,8 +183,7 @@ def skip_reason(name: str, device_type: Optional[str], force: Collection[str] = 
     families in ``force`` count as faster than eager wherever they declare a kernel or rewrite (``bench
     --force``, to measure one where it is off by default).
     """
-    for other in force:
-        family(other)
+    check_known(force)
     declared_family = family(name)
     if device_type is None or device_type == "meta":
         return None

@@ -240,7 +240,7 @@ def test_force_counts_a_family_as_fast_only_where_it_declares_something(monkeypa
     assert sorted(manager.skipped) == ["adalayernorm", "fast_gelu"]
     assert skip_reason("merge_projections", "cpu", force={"merge_projections"}) is None
     assert "no rope kernel for mps" in skip_reason("rope", "mps", force={"rope"})
-    with pytest.raises(ValueError, match="unknown fusion family"):
+    with pytest.raises(ValueError, match="unknown fusion families"):
         skip_reason("rope", "cpu", force={"no_such_family"})
 
 
