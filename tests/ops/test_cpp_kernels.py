@@ -27,15 +27,9 @@ from mindiesd.ops.kernels import cpp_build as _cpp_build, cpp as _cpp_kernels, c
 from mindiesd.ops.defs.adalayernorm import adalayernorm_rules
 from mindiesd.ops.defs.rms_norm import rms_norm_rules
 from mindiesd.ops.defs.rope import rope_rules
+from op_checks import DTYPES, assert_matches, randn  # noqa: E402
 
 OPS = torch.ops.mindiesd
-TOLERANCES = {
-    torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-3),
-    torch.float16: (2e-3, 1e-4),
-}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 WIDTHS = [40, 96, 1000]
 OP_NAMES = ["rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add"]
 
@@ -65,16 +59,6 @@ def restore_loader():
     _cpp_build._reset()
 
 
-def randn(*shape, dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
-def assert_matches(actual, expected, dtype):
-    rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(
-        actual.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol
-    )
 
 
 def direct(cpp, name, *args):

@@ -16,31 +16,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import mindiesd.ops as ops
 from mindiesd.ops import registry, reference
 from mindiesd.ops.kernels import cpu as _cpu
+from op_checks import DTYPES, assert_matches, randn  # noqa: E402
 
 OPS = torch.ops.mindiesd
 
-# (rtol, atol) for comparing an output against float32/float64 expectations.
-TOLERANCES = {
-    torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-3),
-    torch.float16: (2e-3, 1e-4),
-}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS_VALUES = [1e-6, 1e-2]
 
 
-def randn(*shape, dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
-def assert_matches(actual, expected, dtype):
-    """Compare ``actual`` (any dtype) with a high-precision expectation."""
-    rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(
-        actual.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol
-    )
 
 
 def check_kernel(name, args, expected, dtype):

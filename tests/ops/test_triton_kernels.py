@@ -31,24 +31,18 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from mindiesd.ops import registry, reference  # noqa: E402
 from mindiesd.ops.kernels import triton as kernels  # noqa: E402
+import op_checks  # noqa: E402
+from op_checks import DTYPES, TOLERANCES  # noqa: E402
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not IN_INTERPRETER else "cpu"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INTERPRETER_RUN_TIMEOUT_S = 300
 
-TOLERANCES = {
-    torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-3),
-    torch.float16: (2e-3, 1e-4),
-}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(device=DEVICE, dtype=dtype)
+    return op_checks.randn(*shape, dtype=dtype, seed=seed, device=DEVICE)
 
 
 def check(name, *args):
