@@ -35,7 +35,6 @@ tensor subclasses, effect tokens).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -313,23 +312,29 @@ class GraphCache:
         path = self.path(key)
         try:
             data = _encode(entry, key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                with _ignored():
-                    os.unlink(tmp)
-                raise
+            write_atomic(path, data)
         except Exception as exc:
             _warn(f"cannot write {path} ({type(exc).__name__}: {exc}); the graph is compiled again next time")
             return None
         log.debug("cache store %s (%d bytes)", path, len(data))
         return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder renamed into place, so a reader sees
+    a whole file or none (and two writers leave one whole file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _ignored():
+            os.unlink(tmp)
+        raise
 
 
 class _ignored:
@@ -340,15 +345,15 @@ class _ignored:
         return True
 
 
-def _encode(entry: CachedGraph, key: str) -> bytes:
-    buffer = io.BytesIO()
-    pickle.dump(entry, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    payload = buffer.getvalue()
+def frame(payload: bytes, key: str) -> bytes:
+    """``payload`` behind a header line (magic, format, key, size and sha256) that :func:`unframe` checks."""
     header = {"format": FORMAT, "key": key, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     return _MAGIC + b" " + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
 
 
-def _decode(data: bytes, key: str) -> CachedGraph:
+def unframe(data: bytes, key: str) -> bytes:
+    """The payload of ``data`` written by :func:`frame` under ``key``; ValueError saying what is wrong with it
+    (not an entry, another format or key, truncated, corrupt)."""
     line, sep, payload = data.partition(b"\n")
     if not sep or not line.startswith(_MAGIC + b" "):
         raise ValueError("not a mindiesd cache entry")
@@ -361,7 +366,15 @@ def _decode(data: bytes, key: str) -> CachedGraph:
         raise ValueError(f"truncated: {len(payload)} of {header.get('size')} bytes")
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise ValueError("checksum mismatch")
-    entry = pickle.loads(payload)
+    return payload
+
+
+def _encode(entry: CachedGraph, key: str) -> bytes:
+    return frame(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), key)
+
+
+def _decode(data: bytes, key: str) -> CachedGraph:
+    entry = pickle.loads(unframe(data, key))
     if not isinstance(entry, CachedGraph):
         raise ValueError(f"the payload is a {type(entry).__name__}")
     entry.check()
