@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any, Sequence
@@ -38,6 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir", default=None, help="the folder (default: CompilationConfig.cache_dir, from $MINDIESD_CACHE_DIR)"
     )
     cache_parser.set_defaults(handler=_cache_command)
+    env_parser = commands.add_parser(
+        "env",
+        help="print the versions, devices, kernels and caches a bug report needs",
+        description="Print what a bug report needs: the versions of mindiesd, Python, torch, diffusers, Triton and "
+        "torch_npu; the devices torch sees; the CPU kernel implementation and the kernel each op has per device; "
+        "Triton and device-graph availability; the compile cache's folder and size. It loads a cached build of "
+        "the C++ CPU kernels but never compiles one (then cpu_kernels says 'not built yet'), unless "
+        "--build-cpu-kernels is given.",
+    )
+    env_parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    env_parser.add_argument(
+        "--build-cpu-kernels",
+        action="store_true",
+        help="build the C++ CPU kernels first where no cached build exists (one-time, ~30 s), so cpu_kernels "
+        "names the implementation the ops will run, or the build's failure",
+    )
+    env_parser.set_defaults(handler=_env_command)
     return parser
 
 
@@ -53,6 +71,14 @@ def _cache_command(args: argparse.Namespace) -> int:
         print(f"removed {cache.clear_cache(chosen)} entries from {folder}")
     else:
         print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'}, {size / 2**20:.1f} MiB")
+    return 0
+
+
+def _env_command(args: argparse.Namespace) -> int:
+    from .benchmarks import environment
+
+    info = environment.report(build_cpu_kernels=args.build_cpu_kernels)
+    print(json.dumps(info, indent=2) if args.json else environment.format_report(info))
     return 0
 
 

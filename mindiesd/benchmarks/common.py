@@ -18,6 +18,7 @@ import torch
 from .. import zoo
 from ..compilation.families import FAMILIES as _FAMILIES
 from ..compilation.families import forced
+from .environment import environment, footer  # noqa: F401  (the modes take the environment from here)
 
 FAMILIES = tuple(_FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -153,19 +154,6 @@ def resolve_cache_dir(args: argparse.Namespace, stack: contextlib.ExitStack) -> 
     if args.cache_dir is None:
         return USER_CACHE
     return None if args.cache_dir.strip().lower() in ("off", "none", "") else args.cache_dir
-
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads, device."""
-    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    try:
-        import diffusers
-
-        info["diffusers"] = diffusers.__version__
-    except ImportError:
-        info["diffusers"] = None
-    return info
 
 
 

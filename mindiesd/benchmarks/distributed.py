@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .. import zoo
 from .common import (
     DEFAULT_ITERS, DEFAULT_WARMUP, DTYPES, FAMILIES, Progress, QuietProgress, add_model_option, add_run_options,
-    add_timing_options, bounded, complain, environment, make_backend, max_relative_error, positive_float,
+    add_timing_options, bounded, complain, environment, footer, make_backend, max_relative_error, positive_float,
     select_models, session, write_json,
 )
 from .table import HEADERS, format_rows, format_value
@@ -444,14 +444,14 @@ def format_table(rows: Sequence[Dict[str, Any]], markdown: bool = False) -> str:
                        headers={**HEADERS, "eager_rel_err": "cp_eager_err"}, cell=cell, markdown=markdown)
 
 
-def _legend(rows: Sequence[Dict[str, Any]], world_size: int, backend: str) -> str:
-    env = environment()
+def _legend(rows: Sequence[Dict[str, Any]], world_size: int, backend: str, env: Dict[str, Any]) -> str:
     threads = sorted({row["threads"] for row in rows if "threads" in row})
     iters = sorted({len(row["samples"]["eager"]) for row in rows if "samples" in row})
     return "\n".join([
         f"torch {env['torch']}, diffusers {env['diffusers']}; {world_size} ranks ({backend}), "
         f"{'/'.join(map(str, threads))} threads each; medians of {'/'.join(map(str, iters))} interleaved iters, "
         "each started at a barrier",
+        footer(env),
         "rank N: that rank's forward (its waits in collectives included); all: per iteration the slowest rank, then "
         "the median; compile_s: first compiled call (all: the slowest rank)",
         "max_rel_err: compiled output vs the single-process eager model (max |a-b| / max |b|); cp_eager_err: the same "
@@ -474,11 +474,13 @@ def _report(per_rank: Sequence[Sequence[Dict[str, Any]]], args: argparse.Namespa
                 shown.add(row["model"])
                 stderr.write(row["traceback"])
     rows = summarize(per_rank)
+    env = environment(args.device)
     if any("error" not in row for row in rows):
-        stdout.write(format_table(rows, markdown=args.markdown) + "\n\n" + _legend(flat, world_size, backend) + "\n")
+        stdout.write(format_table(rows, markdown=args.markdown) + "\n\n" + _legend(flat, world_size, backend, env)
+                     + "\n")
         stdout.flush()
     if args.json:
-        env = {**environment(), "world_size": world_size, "process_group": backend, "cp": args.cp,
+        env = {**env, "world_size": world_size, "process_group": backend, "cp": args.cp,
                "threads": sorted({row["threads"] for row in flat if "threads" in row})}  # per rank
         write_json(args.json, {"environment": env, "rows": [r for r in rows if "error" not in r], "failed": failed})
     return 1 if failed else 0

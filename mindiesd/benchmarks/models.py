@@ -25,8 +25,8 @@ from .. import zoo
 from ..compilation.families import GEMM_FAMILIES
 from .common import (
     DEFAULT_ITERS, DEFAULT_WARMUP, DTYPE_NAMES, DTYPES, FAMILIES, USER_CACHE, Progress,
-    add_cache_options, add_model_option, add_run_options, add_timing_options, complain, environment, make_backend,
-    max_relative_error, resolve_cache_dir, select_models, session, write_json,
+    add_cache_options, add_model_option, add_run_options, add_timing_options, complain, environment, footer,
+    make_backend, max_relative_error, resolve_cache_dir, select_models, session, write_json,
 )
 from .table import format_rows
 from .timing import interleaved_medians
@@ -424,7 +424,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
 
 
 def _print_results(args, rows, failures, stdout) -> None:
-    env = environment()
+    env = environment(args.device)
     if rows:
         stdout.write(format_table(rows, markdown=args.markdown) + "\n")
         iters = sorted({row["iters"] for row in rows})
@@ -433,6 +433,7 @@ def _print_results(args, rows, failures, stdout) -> None:
             f"medians of {'/'.join(map(str, iters))} interleaved iters; "
             "compile_s = wall time of the first compiled call, backend_s = the backend's share of it; "
             "cache = persistent compile cache (stored: compiled and written; hit: loaded)\n"
+            f"{footer(env)}\n"
         )
         if any("regional_ms" in row for row in rows):
             stdout.write(

@@ -66,6 +66,7 @@ from typing import Any, Callable, List, Optional, TextIO
 import torch
 import torch.nn.functional as F
 
+from . import environment
 from .common import DTYPES, positive_int
 from .timing import Medians, interleaved_medians, synchronize
 
@@ -241,19 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _device_line(device: torch.device) -> str:
     if device.type == "cpu":
-        from ..ops.kernels import cpp as _cpp_kernels
-
         return (f"CPU capability {torch.backends.cpu.get_cpu_capability()}; "
-                f"mindiesd CPU kernels: {_cpp_kernels.cpu_kernel_implementation()}")
+                f"mindiesd CPU kernels: {environment.cpu_kernels()}")
     if device.type == "cuda":
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
         return (f"device {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, "
-                f"triton {triton_version or 'not installed (the reference runs)'}")
+                f"triton {environment.package_version('triton') or '-'}: {environment.triton_kernels()}")
     return f"device {device}"
 
 

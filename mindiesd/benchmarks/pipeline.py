@@ -34,7 +34,7 @@ import torch._dynamo
 from .. import zoo
 from .common import (
     DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, add_cache_options, add_run_options, bounded, complain,
-    environment, make_backend, max_relative_error, positive_float, resolve_cache_dir, session, write_json,
+    environment, footer, make_backend, max_relative_error, positive_float, resolve_cache_dir, session, write_json,
 )
 from .table import format_rows
 from .timing import synchronize
@@ -642,6 +642,7 @@ def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
     lines = [
         f"torch {env['torch']}, diffusers {env['diffusers']}, {threads} thread{'s' if threads != 1 else ''}; "
         f"{steps} denoising steps per variant, then the VAE decode",
+        footer(env),
         "total_s: the whole first call; first_s: from the call to the end of step 1 (compile included); "
         "warm_s: a second call (compiled variants; eager runs once, after an untimed step); "
         "step_ms: median of steps 2..N of that call",
@@ -689,7 +690,7 @@ def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optio
     except Exception as exc:
         complain(stderr, f"{args.pipeline}/{args.size} pipeline failed: {type(exc).__name__}: {exc}")
         return 1
-    env = environment()
+    env = environment(args.device)
     stdout.write(format_table(rows, markdown=args.markdown) + "\n\n" + _summary(rows, env) + "\n")
     stdout.flush()
     for row in rows:

@@ -24,6 +24,7 @@ from mindiesd.benchmarks import pipeline as bench_pipeline  # noqa: E402
 from mindiesd.__main__ import build_parser, main  # noqa: E402
 from mindiesd.compilation.families import SPEC_FAMILIES as FAMILIES  # noqa: E402
 from mindiesd.compilation import MindieSDFallbackWarning  # noqa: E402
+from mindiesd.ops.kernels.cpp import cpu_kernel_implementation  # noqa: E402
 
 #: fp32: max |compiled - eager| / max |eager| of the final latents and of the decoded output.
 MAX_ERROR = 1e-5
@@ -87,6 +88,9 @@ def test_cli_flux_pipeline_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "recompiles: graphs the backend compiled after step 1" in out.out
     saved = json.loads(path.read_text())
     assert saved["environment"]["torch"] == torch.__version__
+    implementation = cpu_kernel_implementation()
+    assert saved["environment"]["cpu_kernels"] == implementation
+    assert f"CPU kernels: {implementation}" in out.out
     rows = {row["variant"]: row for row in saved["rows"]}
     assert list(rows) == ["eager", "mindiesd"]
     _assert_compiled_like_eager(rows, fallbacks, "flux", steps=2)

@@ -450,6 +450,29 @@ def test_failed_build_warns_once_and_uses_compositions(monkeypatch, tmp_path, re
 
 
 @requires_enabled
+def test_report_without_build_compiles_nothing(monkeypatch, tmp_path, restore_loader):
+    _simulate_missing_build(monkeypatch, tmp_path)
+
+    def no_compile(name, flags, directory):
+        raise AssertionError("cpu_kernel_implementation(build=False) compiled the kernels")
+
+    monkeypatch.setattr(_cpp_build, "_compile", no_compile)
+    tag = _cpp_build.build_name()[0].split("_")[3]
+    assert _cpp_kernels.cpu_kernel_implementation(build=False) == (
+        f"not built yet (the C++ kernels for {tag} build on the first CPU kernel call)"
+    )
+    assert _cpp_kernels.extension(build=False) is None
+    assert not _cpp_build._resolved and list(tmp_path.iterdir()) == []
+
+
+def test_report_without_build_loads_a_cached_build(cpp, restore_loader):
+    expected = _cpp_kernels.cpu_kernel_implementation()
+    _cpp_build._reset()
+    assert _cpp_kernels.cpu_kernel_implementation(build=False) == expected
+    assert _cpp_build._resolved and _cpp_kernels.extension(build=False) is cpp
+
+
+@requires_enabled
 def test_missing_compiler_names_the_cause(monkeypatch, tmp_path, restore_loader):
     _simulate_missing_build(monkeypatch, tmp_path)
     monkeypatch.setenv("CXX", "mindiesd-no-such-compiler")
@@ -463,7 +486,7 @@ def test_lazy_init_is_thread_safe(monkeypatch, cpp, restore_loader):
     calls = []
     real_module = cpp
 
-    def slow_load():
+    def slow_load(build=True):
         calls.append(threading.get_ident())
         time.sleep(0.2)
         return real_module

@@ -234,8 +234,13 @@ def _self_check(module: ModuleType) -> None:
             )
 
 
-def _load() -> ModuleType | None:
-    """Import the cached build or build it; on failure warn once and return None."""
+class _NotBuilt(Exception):
+    """No cached build, and the caller asked not to compile one."""
+
+
+def _load(build: bool = True) -> ModuleType | None:
+    """Import the cached build or build it (``build=False``: raise :class:`_NotBuilt` instead of compiling); on
+    failure warn once and return None."""
     global _failure
     if not enabled():
         _failure = f"disabled by {ENABLE_ENV}={os.environ.get(ENABLE_ENV)}"
@@ -252,6 +257,8 @@ def _load() -> ModuleType | None:
             missing = _missing_tool()
             if missing is not None:
                 raise RuntimeError(missing)
+            if not build:
+                raise _NotBuilt()
             print(
                 f"mindiesd: building mindiesd CPU kernels (one-time, ~{ESTIMATED_BUILD_SECONDS} s) "
                 f"into {directory}",
@@ -268,6 +275,8 @@ def _load() -> ModuleType | None:
         _configure(module)
         _self_check(module)
         return module
+    except _NotBuilt:
+        raise
     except Exception as error:  # noqa: BLE001  (never fail the op: fall back)
         _failure = _summarize(error)
         warnings.warn(
@@ -289,14 +298,21 @@ def _summarize(error: BaseException) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
-def extension() -> ModuleType | None:
-    """The loaded C++ kernel module (building it on first use), or None."""
+def extension(build: bool = True) -> ModuleType | None:
+    """The loaded C++ kernel module (building it on first use), or None.
+
+    With ``build=False`` nothing is compiled: a cached build is loaded, and where there is none the call returns
+    None and decides nothing (a later call still builds).
+    """
     global _extension, _resolved
     if _resolved:
         return _extension
     with _lock:
         if not _resolved:
-            _extension = _load()
+            try:
+                _extension = _load(build)
+            except _NotBuilt:
+                return None
             _resolved = True
     return _extension
 
@@ -310,11 +326,17 @@ def build_cpu_kernels() -> bool:
     return extension() is not None
 
 
-def cpu_kernel_implementation() -> str:
-    """Which CPU kernels run: 'C++ (<capability>)' or 'composition (<reason>)'."""
-    module = extension()
+def cpu_kernel_implementation(build: bool = True) -> str:
+    """Which CPU kernels run: 'C++ (<capability>, <n> float lanes)' or 'composition (<reason>)'.
+
+    It loads the C++ kernels, building them first where no cached build exists (one-time, ~30 s). With
+    ``build=False`` it never compiles: without a cached build it answers 'not built yet (...)'.
+    """
+    module = extension(build)
     if module is not None:
         return f"C++ ({module.capability()}, {module.vector_lanes} float lanes)"
+    if not _resolved:
+        return f"not built yet (the C++ kernels for {_capability()[0]} build on the first CPU kernel call)"
     return f"composition ({_failure or 'C++ kernels unavailable'})"
 
 
