@@ -70,7 +70,9 @@ def _cache_command(args: argparse.Namespace) -> int:
     if args.action == "clear":
         print(f"removed {cache.clear_cache(chosen)} entries from {folder}")
     else:
-        print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'}, {size / 2**20:.1f} MiB")
+        artifacts = len(cache.artifact_files(chosen))
+        print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'} ({entries - artifacts} graphs, "
+              f"{artifacts} ahead-of-time artifacts), {size / 2**20:.1f} MiB")
     return 0
 
 

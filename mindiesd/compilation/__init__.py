@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
+from .aot import AotForward, aot_compile
 from .backend import MindieSDBackend, MindieSDFallbackWarning
+from .cache import MindieSDCacheWarning
 from .config import (
     CompilationConfig,
     CompilationConfigError,
@@ -33,6 +35,9 @@ from .report import CompileReport, GraphRecord, fusion_report, reset_fusion_repo
 
 __all__ = [
     "MindieSDBackend",
+    "aot_compile",
+    "AotForward",
+    "MindieSDCacheWarning",
     "CompilationConfig",
     "FusionPatterns",
     "CompilationConfigError",

@@ -111,6 +111,24 @@ class MindieSDBackend:
         self._finish(record, graph_log)
         return compiled
 
+    def compile_for_artifact(self, gm: GraphModule, example_inputs: List[Any]) -> graph_cache.CachedGraph:
+        """The fused graph of ``gm`` as the persistent cache stores it, for an ahead-of-time artifact
+        (:mod:`mindiesd.compilation.aot`); ValueError saying why a graph cannot be stored (a training graph, or
+        one whose calling convention aot changes). Recorded in :meth:`report` like any compile."""
+        record = GraphRecord(graph_id=next(_graph_ids), nodes_before=_node_count(gm))
+        start = time.perf_counter()
+        graph_log = GraphLog(resolve_log_dir(self.config.graph_log_url), record.graph_id)
+        context = GraphContext.build(gm, example_inputs, self.config, self.force_fast, cached=False)
+        if context.training:
+            raise ValueError("a training graph (inputs that require grad, with grad enabled)")
+        result = aot(gm, example_inputs, context, graph_log, stored=True)
+        if result.not_cacheable is not None:
+            raise ValueError(result.not_cacheable)
+        self._fill_record(record, replace(result, cache="artifact"))
+        record.seconds = time.perf_counter() - start
+        self._finish(record, graph_log)
+        return cached_entry(result)
+
     def _fill_record(self, record: GraphRecord, result: "CompiledGraph") -> None:
         """Copy what the stages made of the graph into its record (and :attr:`graphs`)."""
         record.matches, record.rules, record.skipped = dict(result.matches), dict(result.rules), dict(result.skipped)
@@ -188,11 +206,14 @@ def load_cached(context: GraphContext, graph_log: GraphLog) -> Optional[Compiled
                          dict(entry.skipped), entry.nodes_after, cache="hit")
 
 
-def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog) -> CompiledGraph:
-    """aot's functional aten graph, frozen and fused by :class:`_FreezeAndFuse`; ``run`` is aot's callable."""
+def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog,
+        stored: bool = False) -> CompiledGraph:
+    """aot's functional aten graph, frozen and fused by :class:`_FreezeAndFuse`; ``run`` is aot's callable.
+    ``stored``: the result is to be stored (an ahead-of-time artifact) even without a cache key, so its
+    :attr:`~CompiledGraph.not_cacheable` is checked."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    compiler = _FreezeAndFuse(context, graph_log)
+    compiler = _FreezeAndFuse(context, graph_log, stored or context.key is not None)
     run = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, bw_compiler=_as_traced,
                                 keep_inference_input_mutations=True)
     return replace(compiler.result or CompiledGraph(run, not_cacheable="no inference graph"), run=run)
@@ -201,8 +222,8 @@ def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph
 class _FreezeAndFuse:
     """aot's fw_compiler: the freeze and fuse stages on the aten graph; what they made is :attr:`result`."""
 
-    def __init__(self, context: GraphContext, graph_log: GraphLog):
-        self.context, self.graph_log = context, graph_log
+    def __init__(self, context: GraphContext, graph_log: GraphLog, stored: bool):
+        self.context, self.graph_log, self.stored = context, graph_log, stored
         self.result: Optional[CompiledGraph] = None
 
     def __call__(self, aten_gm: GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -213,7 +234,7 @@ class _FreezeAndFuse:
         passes = PassManager(context.families, context.device_type, force=context.force)
         fused = fuse(context, freeze(context, aten_gm, len(aten_inputs), passes, self.graph_log), aten_gm, passes,
                      self.graph_log)
-        if context.key is not None:  # aot's metadata of this trace says whether the graph alone is the whole call
+        if self.stored:  # aot's metadata of this trace says whether the graph alone is the whole call
             fused = replace(fused, not_cacheable=graph_cache.calling_convention_problem(aten_gm, context.n_inputs))
         self.result = fused
         return make_boxed_func(fused.run)
@@ -264,15 +285,20 @@ def store(context: GraphContext, compiled: CompiledGraph) -> CompiledGraph:
         return replace(compiled, cache=context.uncached)
     if compiled.not_cacheable is not None:
         return replace(compiled, cache=f"not cached: {compiled.not_cacheable}")
+    entry = cached_entry(compiled)
+    return replace(compiled, cache="stored" if context.cache.store(context.key, entry) is not None else "store failed")
+
+
+def cached_entry(compiled: CompiledGraph) -> graph_cache.CachedGraph:
+    """What is stored of a compiled graph: its fused main graph, its fold graph and what the record reports."""
     split = compiled.frozen
-    entry = graph_cache.CachedGraph(
+    return graph_cache.CachedGraph(
         main=compiled.main, fold=split.fold if split is not None else None,
         fold_inputs=list(split.fold_inputs) if split is not None else [],
         main_inputs=list(split.main_inputs) if split is not None else [], n_folded=compiled.n_folded,
         matches=dict(compiled.matches), rules=dict(compiled.rules), skipped=dict(compiled.skipped),
         nodes_after=compiled.nodes_after,
     )
-    return replace(compiled, cache="stored" if context.cache.store(context.key, entry) is not None else "store failed")
 
 
 # ------------------------------------------------------------------------------------------------- run time

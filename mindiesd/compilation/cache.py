@@ -382,25 +382,39 @@ def _decode(data: bytes, key: str) -> CachedGraph:
 
 
 def cache_entries(folder: Optional[str]) -> List[Path]:
-    """The entry files of the cache ``folder`` (None: the cache is off, no entries)."""
+    """The entry files of the cache ``folder`` (None: the cache is off, no entries): the graphs and the
+    ahead-of-time artifacts (:func:`artifact_files`)."""
     root = _root(folder)
     if root is None or not root.is_dir():
         return []
-    return sorted(root.glob(f"??/*{_SUFFIX}"))
+    return sorted(root.glob(f"??/*{_SUFFIX}")) + artifact_files(folder)
+
+
+#: The folder of the ahead-of-time artifacts (:mod:`mindiesd.compilation.aot`) in a cache folder, and their suffix.
+ARTIFACT_FOLDER = "aot"
+ARTIFACT_SUFFIX = ".aot"
+
+
+def artifact_files(folder: Optional[str]) -> List[Path]:
+    """The ahead-of-time artifact files of the cache ``folder``."""
+    root = _root(folder)
+    artifacts = root / ARTIFACT_FOLDER if root is not None else None
+    return sorted(artifacts.glob(f"*{ARTIFACT_SUFFIX}")) if artifacts is not None and artifacts.is_dir() else []
 
 
 def clear_cache(folder: Optional[str]) -> int:
-    """Delete every entry (and leftover temporary file) of the cache ``folder``; returns how many entries were
+    """Delete every entry and artifact (and leftover temporary file) of the cache ``folder``; returns how many were
     removed."""
     root = _root(folder)
     if root is None or not root.is_dir():
         return 0
     removed = 0
-    for path in list(root.glob(f"??/*{_SUFFIX}")) + list(root.glob("??/.*.tmp")):
+    leftovers = list(root.glob("??/.*.tmp")) + list(root.glob(f"{ARTIFACT_FOLDER}/.*.tmp"))
+    for path in cache_entries(folder) + leftovers:
         with _ignored():
             path.unlink()
-            removed += path.suffix == _SUFFIX
-    for folder_of_entries in root.glob("??"):
+            removed += path.suffix in (_SUFFIX, ARTIFACT_SUFFIX)
+    for folder_of_entries in [*root.glob("??"), root / ARTIFACT_FOLDER]:
         with _ignored():
             folder_of_entries.rmdir()
     return removed

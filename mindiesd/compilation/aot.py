@@ -1,0 +1,358 @@
+"""Ahead-of-time artifacts: a module's compiled forward stored once, loaded by later processes without Dynamo.
+
+    from mindiesd.compilation import MindieSDBackend, aot_compile
+    pipe.transformer = aot_compile(pipe.transformer, backend=MindieSDBackend())
+
+:func:`aot_compile` gives the module a forward that, on the first call with a new input signature (shapes,
+strides, dtypes, devices of the tensors; values of the other arguments; grad mode), loads the matching artifact
+from ``<cache_dir>/aot/`` and runs it: no Dynamo trace, no backend. Where there is none, it traces the forward
+once with Dynamo (``fullgraph``), runs the backend on the graph, and stores the result: Dynamo's guards on the
+inputs, its bytecode, and the fused aten graph with its fold graph (what the persistent graph cache stores).
+Weights are not in the artifact: they are inputs of the graph, read from the module at each call, so weights
+changed in place (a LoRA hot-swap, ``load_state_dict``) are seen and the folded constants are refolded.
+
+An artifact is found by a key over the versions (Python, torch, diffusers, mindiesd and its sources), the
+module's class, config, structure (submodule types, parameter shapes and dtypes, attention processors), the source
+files of those classes, and the backend's settings: a changed source or version selects another artifact, and
+the module is compiled again. A truncated, corrupt or foreign artifact is ignored with a
+:class:`~mindiesd.compilation.cache.MindieSDCacheWarning` and compiled again. A forward Dynamo cannot trace as
+one graph (graph breaks), or whose graph cannot be stored, runs through ``torch.compile`` with the same backend,
+with one warning that says why. Without a cache folder (``cache_dir=None``) the artifacts live in memory only.
+Device-graph capture (``aclgraph_*``) wraps the loaded graph, so captures are made afresh in each process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import pickle
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import cache as graph_cache
+from .backend import MindieSDBackend, _folded_reader
+from .config import CompilationConfig
+from .context import _is_weight
+from .device_graph import wrap_for_capture
+
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = ["aot_compile", "AotForward", "ArtifactGraph"]
+
+FOLDER, SUFFIX = graph_cache.ARTIFACT_FOLDER, graph_cache.ARTIFACT_SUFFIX
+
+#: functorch settings torch's aot_compile turns on around the backend for Inductor's bundled cache; the
+#: backend's own aot_module_simplified with a plain compiler needs them off.
+_FUNCTORCH_DEFAULTS = {
+    "bundled_autograd_cache": False, "force_autograd_cache": False, "strict_autograd_cache": False,
+    "bypass_autograd_cache_key": False, "force_non_lazy_backward_lowering": False,
+}
+
+
+class _NotStorable(Exception):
+    """The forward compiles, but not into an artifact (the reason is the message)."""
+
+
+# ------------------------------------------------------------------------------------------ the stored graph
+
+try:
+    from torch._dynamo.aot_compile_types import SerializableCallable as _Serializable
+except ImportError:  # a torch without ahead-of-time compilation: aot_compile falls back to torch.compile
+    _Serializable = object  # type: ignore[assignment,misc]
+
+
+class ArtifactGraph(_Serializable):  # type: ignore[misc,valid-type]
+    """The backend's result for one Dynamo graph inside an artifact: the fused graph (and fold graph), the
+    settings, the device and which inputs are weights, so that a loaded graph is run (and captured) as a compiled
+    one is."""
+
+    def __init__(self, entry: graph_cache.CachedGraph, settings: Dict[str, Any], device: Optional[str],
+                 weights: Tuple[int, ...]):
+        entry.check()
+        self.entry, self.settings, self.device, self.weights = entry, settings, device, tuple(weights)
+        run = graph_cache.runnable(entry)
+        frozen = run.frozen
+        self.run = wrap_for_capture(run, CompilationConfig(**settings), torch.device(device) if device else None,
+                                    self.weights, label="artifact graph",
+                                    reads=_folded_reader(frozen) if frozen is not None else None)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "ArtifactGraph") -> bytes:
+        return pickle.dumps((fn.entry, fn.settings, fn.device, fn.weights), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "ArtifactGraph":
+        entry, settings, device, weights = pickle.loads(data)
+        if not isinstance(entry, graph_cache.CachedGraph):
+            raise ValueError(f"the artifact holds a {type(entry).__name__}, not a graph")
+        return cls(entry, settings, device, weights)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*args)
+
+
+class _ArtifactBackend:
+    """The Dynamo backend of an ahead-of-time compile: ``backend``'s fusion, returned as an :class:`ArtifactGraph`."""
+
+    compiler_name = "mindiesd"
+
+    def __init__(self, backend: MindieSDBackend):
+        self.backend = backend
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[Any]) -> ArtifactGraph:
+        with torch._functorch.config.patch(_FUNCTORCH_DEFAULTS):
+            try:
+                entry = self.backend.compile_for_artifact(gm, example_inputs)
+            except ValueError as exc:
+                raise _NotStorable(str(exc)) from exc
+        device = next((str(t.device) for t in example_inputs if isinstance(t, torch.Tensor)), None)
+        weights = tuple(i for i, t in enumerate(example_inputs) if _is_weight(t))
+        return ArtifactGraph(entry, self.backend.config.to_dict(), device, weights)
+
+
+def _keep_guard(entry: Any) -> bool:
+    """Whether Dynamo's guard ``entry`` goes into the artifact: the guards on the inputs (shapes, strides, dtypes,
+    devices, values) do; identity guards, globals and guards on a function's defaults cannot be saved and are
+    left out (the artifact's key covers the sources and the module's structure instead)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return not (entry.is_global or entry.guard_type in unsaveable
+                or any(t in unsaveable for t in entry.derived_guard_types) or "__defaults__" in entry.name)
+
+
+def _guard_filter(entries: List[Any]) -> List[bool]:
+    return [_keep_guard(entry) for entry in entries]
+
+
+# -------------------------------------------------------------------------------------------------- the key
+
+_SOURCE_DIGESTS: Dict[str, str] = {}
+
+
+def _file_digest(path: Optional[str]) -> str:
+    if not path:
+        return "-"
+    if path not in _SOURCE_DIGESTS:
+        try:
+            _SOURCE_DIGESTS[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            _SOURCE_DIGESTS[path] = "-"
+    return _SOURCE_DIGESTS[path]
+
+
+def _classes(module: torch.nn.Module) -> Iterator[type]:
+    for sub in module.modules():
+        yield type(sub)
+        processor = getattr(sub, "processor", None)
+        if processor is not None:
+            yield type(processor)
+
+
+def model_key(module: torch.nn.Module, backend: MindieSDBackend, dynamic: Optional[bool]) -> Dict[str, Any]:
+    """What an artifact of ``module`` depends on besides its inputs (the artifact's file name hashes it)."""
+    config = getattr(module, "config", None)
+    classes = sorted({f"{c.__module__}.{c.__qualname__}": c for c in _classes(module)}.items())
+    sources = {name: _file_digest(_source_file(cls)) for name, cls in classes}
+    structure = [(name, type(sub).__qualname__, type(getattr(sub, "processor", None)).__qualname__)
+                 for name, sub in module.named_modules()]
+    tensors = [(name, tuple(t.shape), str(t.dtype), str(t.device), isinstance(t, torch.nn.Parameter))
+               for name, t in (*module.named_parameters(), *module.named_buffers())]
+    return {
+        "versions": graph_cache._versions(), "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "config": _config_text(config),
+        "sources": sources, "structure": structure, "tensors": tensors,
+        "settings": graph_cache.settings_for_key(backend.config.to_dict()), "force": sorted(backend.force_fast),
+        "dynamic": dynamic, "training": module.training,
+    }
+
+
+def _config_text(config: Any) -> str:
+    """A diffusers model's config as text, without its bookkeeping keys (``_use_default_values`` lists a set, in
+    an order that differs between processes)."""
+    if not isinstance(config, dict):
+        return "-"
+    return json.dumps({k: v for k, v in config.items() if not str(k).startswith("_")}, sort_keys=True, default=repr)
+
+
+def _source_file(cls: type) -> Optional[str]:
+    try:
+        return inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return None
+
+
+def _signature(value: Any, dynamic: Optional[bool]) -> Any:
+    """What selects an artifact among those of one module: the tensors' shapes (ranks with ``dynamic=True``),
+    strides, dtypes and devices, the other arguments' values."""
+    if isinstance(value, torch.Tensor):
+        shape = value.dim() if dynamic else (tuple(value.shape), value.stride())
+        return ("tensor", shape, str(value.dtype), str(value.device), value.requires_grad)
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _signature(v, dynamic)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(v, dynamic) for v in value))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return (type(value).__name__, repr(value))
+    return (type(value).__qualname__,)
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ the forward
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"mindiesd aot: {message}", graph_cache.MindieSDCacheWarning, stacklevel=4)
+
+
+class AotForward:
+    """The forward :func:`aot_compile` gives a module: per input signature, the artifact loaded or compiled once.
+
+    :attr:`outcomes` maps each signature seen to how it runs: ``loaded`` (an artifact from the cache folder),
+    ``stored`` (compiled and written), ``compiled`` (compiled, kept in memory: no cache folder or not writable) or
+    ``torch.compile: <why>`` (not an artifact). :attr:`seconds` holds the time each took to become runnable.
+    """
+
+    def __init__(self, module: torch.nn.Module, backend: MindieSDBackend, dynamic: Optional[bool]):
+        self.module, self.backend, self.dynamic = module, backend, dynamic
+        self.function = type(module).forward
+        self._runs: Dict[str, Callable[..., Any]] = {}
+        self._artifacts: Dict[str, Any] = {}
+        self.outcomes: Dict[str, str] = {}
+        self.seconds: Dict[str, float] = {}
+
+    def graphs(self) -> List[torch.fx.GraphModule]:
+        """The fused graphs of the artifacts in use (loaded or compiled), one per signature, to inspect."""
+        return [artifact._artifacts.compiled_fn.entry.main for artifact in self._artifacts.values()]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        signature = _digest(_signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
+        run = self._runs.get(signature)
+        if run is None:
+            start = time.perf_counter()
+            run, self.outcomes[signature], artifact = self._prepare(args, kwargs)
+            if artifact is not None:
+                self._artifacts[signature] = artifact
+            self.seconds[signature] = time.perf_counter() - start
+            self._runs[signature] = run
+        return run(*args, **kwargs)
+
+    def _closure(self) -> Dict[str, Any]:
+        """The forward's closure cells (a decorated forward holds the undecorated one): passed by reference, as
+        they are the same objects in the process that loads the artifact."""
+        return {f"cell{i}": cell.cell_contents for i, cell in enumerate(self.function.__closure__ or ())}
+
+    def _prepare(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Callable[..., Any], str, Any]:
+        """How this signature runs, the outcome's word and the artifact (None: not one)."""
+        folder = self.backend.config.cache_dir
+        key = _digest(model_key(self.module, self.backend, self.dynamic),
+                      _signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
+        path = Path(folder).expanduser() / FOLDER / f"{key}{SUFFIX}" if folder else None
+        if path is not None and path.is_file():
+            loaded = self._load(path, key, args, kwargs)
+            if loaded is not None:
+                return self._bind(loaded), "loaded", loaded
+        try:
+            compiled = self._compile(args, kwargs)
+        except _NotStorable as exc:
+            return self._torch_compile(f"its graph cannot be stored ({exc})")
+        except Exception as exc:  # graph breaks, or what Dynamo's ahead-of-time path does not support
+            return self._torch_compile(f"{type(exc).__name__}: {_first_line(exc)}")
+        outcome = "compiled"
+        if path is not None:
+            outcome = "stored" if self._store(compiled, path, key) else "compiled"
+        return self._bind(compiled), outcome, compiled
+
+    def _bind(self, compiled: Any) -> Callable[..., Any]:
+        module = self.module
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return compiled(module, *args, **kwargs)
+
+        return run
+
+    def _compile(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        compiled = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic,
+                                 backend=_ArtifactBackend(self.backend), options={"guard_filter_fn": _guard_filter})
+        with torch._dynamo.config.patch(enable_aot_compile=True), self._plain_module():
+            return compiled.aot_compile(((self.module, *args), kwargs))
+
+    @contextlib.contextmanager
+    def _plain_module(self) -> Iterator[None]:
+        """The module without this forward while Dynamo traces it and saves its guards (which pickle what they
+        read of the module: not the backend)."""
+        forward = self.module.__dict__.pop("forward", None)
+        try:
+            yield
+        finally:
+            if forward is not None:
+                self.module.__dict__["forward"] = forward
+
+    def _store(self, compiled: Any, path: Path, key: str) -> bool:
+        try:
+            data = type(compiled).serialize(compiled, self._closure()).serialized_data
+            graph_cache.write_atomic(path, graph_cache.frame(data, key))
+        except Exception as exc:
+            _warn(f"cannot store the artifact of {type(self.module).__name__} ({type(exc).__name__}: "
+                  f"{_first_line(exc)}); it is compiled again in the next process")
+            return False
+        log.info("aot: stored %s (%d bytes)", path, path.stat().st_size)
+        return True
+
+    def _load(self, path: Path, key: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Any]:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        try:
+            data = graph_cache.unframe(path.read_bytes(), key)
+            loaded = AOTCompiledFunction.deserialize(data, f_globals=self.function.__globals__,
+                                                     external_closure_data=self._closure())
+            accepted = loaded.guard_check(self.module, *args, **kwargs)
+        except Exception as exc:
+            _warn(f"ignoring the unusable artifact {path} ({type(exc).__name__}: {_first_line(exc)}); compiling")
+            return None
+        if not accepted:
+            _warn(f"the artifact {path} does not accept these inputs; compiling")
+            return None
+        log.info("aot: loaded %s", path)
+        return loaded
+
+    def _torch_compile(self, why: str) -> Tuple[Callable[..., Any], str, None]:
+        _warn(f"{type(self.module).__name__} is compiled with torch.compile, without an artifact: {why}")
+        compiled = torch.compile(self.function, backend=self.backend, dynamic=self.dynamic)
+        return self._bind(compiled), f"torch.compile: {why}", None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def aot_compile(module: torch.nn.Module, backend: Optional[MindieSDBackend] = None, *,
+                dynamic: Optional[bool] = None) -> torch.nn.Module:
+    """Give ``module`` a forward compiled ahead of time by ``backend`` (default ``MindieSDBackend()``), with its
+    artifacts in ``backend.config.cache_dir``; returns ``module`` itself, so pipelines and hooks see the same
+    object. ``del module.forward`` restores the uncompiled forward.
+
+    Use it in place of ``torch.compile(module, backend=...)`` where processes start often: the first process pays
+    the trace and stores the artifact, later ones load it in a fraction of a second.
+    """
+    if backend is None:
+        backend = MindieSDBackend()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"aot_compile takes a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(backend, MindieSDBackend):
+        raise TypeError(f"backend must be a MindieSDBackend, got {type(backend).__name__}")
+    if isinstance(module.__dict__.get("forward"), AotForward):
+        raise ValueError(f"{type(module).__name__} is already compiled ahead of time (del module.forward first)")
+    module.forward = AotForward(module, backend, dynamic)
+    return module

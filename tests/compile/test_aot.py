@@ -1,0 +1,228 @@
+"""Ahead-of-time artifacts (mindiesd.compilation.aot_compile): a second process loads the compiled forward without
+Dynamo, with the same outputs and fused ops; new resolutions, changed weights, stale and corrupt artifacts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from mindiesd import zoo  # noqa: E402
+from mindiesd.compilation import (  # noqa: E402
+    AotForward,
+    CompilationConfig,
+    MindieSDBackend,
+    MindieSDCacheWarning,
+    MindieSDFallbackWarning,
+    aot_compile,
+)
+from mindiesd.compilation import cache as graph_cache  # noqa: E402
+from mindiesd.compilation.families import SPEC_FAMILIES  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROCESS_TIMEOUT_S = 300
+
+#: One process: build the model, compile it ahead of time with the cache folder, run it once; print what happened.
+_PROCESS = textwrap.dedent("""
+    import json, sys, time, warnings
+    from collections import Counter
+    import torch
+    from torch._dynamo.utils import counters
+    from mindiesd import zoo
+    from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning, aot_compile
+
+    name, folder, out_path = sys.argv[1:4]
+    warnings.simplefilter("error", MindieSDFallbackWarning)
+    case = zoo.build(name, "tiny")
+    model = aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=folder)))
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model(**case.inputs)[0]
+    first_call = time.perf_counter() - start
+    with torch.no_grad():
+        eager = type(case.model).forward(case.model, **case.inputs)[0]
+    torch.save(out, out_path)
+    fused = Counter(n.target.__name__.split(".")[0] for g in model.forward.graphs() for n in g.graph.nodes
+                    if n.op == "call_function" and str(n.target).startswith("mindiesd."))
+    print(json.dumps({"outcomes": list(model.forward.outcomes.values()), "first_call_s": first_call,
+                      "frames": counters["stats"].get("unique_graphs", 0), "fused": dict(fused),
+                      "expected": {k: v for k, v in case.expected().items() if v},
+                      "error": ((out - eager).abs().max() / eager.abs().max()).item()}))
+""")
+
+
+def _process(name: str, folder: Path, out_path: Path) -> dict:
+    result = subprocess.run([sys.executable, "-c", _PROCESS, name, str(folder), str(out_path)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [
+    "flux", pytest.param("sd3", marks=pytest.mark.slow), pytest.param("wan", marks=pytest.mark.slow)])
+def test_a_second_process_loads_the_artifact_without_tracing(name, tmp_path):
+    first = _process(name, tmp_path / "cache", tmp_path / "first.pt")
+    second = _process(name, tmp_path / "cache", tmp_path / "second.pt")
+    assert first["outcomes"] == ["stored"] and first["frames"] == 1
+    assert second["outcomes"] == ["loaded"] and second["frames"] == 0, "the second process traced the model"
+    for run in (first, second):
+        assert run["fused"] == {k: v for k, v in run["expected"].items() if k in SPEC_FAMILIES}, run
+        assert run["error"] <= 1e-5
+    torch.testing.assert_close(torch.load(tmp_path / "second.pt"), torch.load(tmp_path / "first.pt"), rtol=0, atol=0)
+    assert len(graph_cache.artifact_files(str(tmp_path / "cache"))) == 1
+    assert second["first_call_s"] < first["first_call_s"] / 3
+
+
+def _flux(seed: int = 0):
+    return zoo.build("flux", "tiny", seed=seed)
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def _eager(model, inputs):
+    with torch.no_grad():
+        return type(model).forward(model, **inputs)[0]
+
+
+def _fused(forward: AotForward) -> Counter:
+    return Counter(str(n.target).split(".")[1] for g in forward.graphs() for n in g.graph.nodes
+                   if n.op == "call_function" and str(n.target).startswith("mindiesd."))
+
+
+def test_in_one_process_a_new_module_loads_and_a_new_resolution_compiles(tmp_path):
+    config = CompilationConfig(cache_dir=str(tmp_path))
+    case = _flux()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        model = aot_compile(case.model, MindieSDBackend(config))
+        assert model is case.model and isinstance(model.forward, AotForward)
+        torch.testing.assert_close(_run(model, case.inputs), _eager(model, case.inputs))
+        image = case.inputs["hidden_states"]  # (batch, image tokens, channels): twice the tokens
+        taller = {**case.inputs, "hidden_states": torch.cat([image, image.flip(1)], dim=1),
+                  "img_ids": torch.cat([case.inputs["img_ids"]] * 2)}
+        torch.testing.assert_close(_run(model, taller), _eager(model, taller))
+        assert list(model.forward.outcomes.values()) == ["stored", "stored"]
+        assert len(graph_cache.artifact_files(str(tmp_path))) == 2
+
+        torch._dynamo.reset()
+        again = _flux()
+        reloaded = aot_compile(again.model, MindieSDBackend(config))
+        torch.testing.assert_close(_run(reloaded, again.inputs), _eager(again.model, again.inputs))
+        torch.testing.assert_close(_run(reloaded, taller), _eager(again.model, taller))
+    assert list(reloaded.forward.outcomes.values()) == ["loaded", "loaded"]
+    assert _fused(reloaded.forward) == _fused(model.forward)
+    assert _fused(reloaded.forward)["rms_norm"] == 2 * again.expected()["rms_norm"]
+
+
+def test_weights_changed_after_loading_are_seen(tmp_path):
+    config = CompilationConfig(cache_dir=str(tmp_path))
+    case = _flux()
+    _run(aot_compile(case.model, MindieSDBackend(config)), case.inputs)
+    torch._dynamo.reset()
+    other = _flux()
+    model = aot_compile(other.model, MindieSDBackend(config))
+    before = _run(model, other.inputs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # in place, as load_state_dict and a LoRA hot-swap write
+    after = _run(model, other.inputs)
+    assert list(model.forward.outcomes.values()) == ["loaded"]
+    assert ((after - before).abs().max() / before.abs().max()).item() > 1e-2
+    torch.testing.assert_close(after, _eager(model, other.inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_version_or_setting_compiles_a_new_artifact(tmp_path, monkeypatch):
+    case = _flux()
+    _run(aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))), case.inputs)
+    versions = graph_cache._versions()
+    monkeypatch.setattr(graph_cache, "_versions", lambda: {**versions, "diffusers": "0.0.0"})
+    for config in (CompilationConfig(cache_dir=str(tmp_path)),
+                   CompilationConfig(cache_dir=str(tmp_path), enable_freezing=False)):
+        torch._dynamo.reset()
+        other = _flux()
+        model = aot_compile(other.model, MindieSDBackend(config))
+        torch.testing.assert_close(_run(model, other.inputs), _eager(other.model, other.inputs))
+        assert list(model.forward.outcomes.values()) == ["stored"]
+    assert len(graph_cache.artifact_files(str(tmp_path))) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])
+def test_a_damaged_artifact_warns_and_compiles_again(damage, tmp_path):
+    case = _flux()
+    _run(aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))), case.inputs)
+    (path,) = graph_cache.artifact_files(str(tmp_path))
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x00not an artifact",
+                      "foreign": graph_cache.frame(b"payload", "another key")}[damage])
+    torch._dynamo.reset()
+    other = _flux()
+    model = aot_compile(other.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
+    with pytest.warns(MindieSDCacheWarning, match="unusable artifact"):
+        out = _run(model, other.inputs)
+    torch.testing.assert_close(out, _eager(other.model, other.inputs))
+    assert list(model.forward.outcomes.values()) == ["stored"]
+    assert graph_cache.unframe(path.read_bytes(), path.stem)  # overwritten with a whole artifact
+
+
+class _Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(16, eps=1e-6)
+
+    def forward(self, x):
+        y = self.norm(x)
+        torch._dynamo.graph_break()
+        return self.norm(y) * 2
+
+
+def test_a_forward_with_graph_breaks_runs_through_torch_compile_with_one_warning(tmp_path):
+    model = aot_compile(_Breaks(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
+    x = torch.randn(2, 8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _run_plain(model, x)
+        _run_plain(model, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, MindieSDCacheWarning)]
+    assert len(messages) == 1 and "torch.compile" in messages[0], messages
+    assert not [w for w in caught if issubclass(w.category, MindieSDFallbackWarning)]
+    torch.testing.assert_close(out, _Breaks.forward(model, x))
+    (outcome,) = model.forward.outcomes.values()
+    assert outcome.startswith("torch.compile:")
+    assert graph_cache.artifact_files(str(tmp_path)) == []
+
+
+def _run_plain(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_without_a_cache_folder_the_artifact_stays_in_memory():
+    case = _flux()
+    model = aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=None)))
+    torch.testing.assert_close(_run(model, case.inputs), _eager(case.model, case.inputs))
+    assert list(model.forward.outcomes.values()) == ["compiled"]
+    assert _fused(model.forward)["rope"] == case.expected()["rope"]
+
+
+def test_misuse_is_refused_clearly():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        aot_compile(lambda x: x)
+    with pytest.raises(TypeError, match="MindieSDBackend"):
+        aot_compile(torch.nn.Linear(2, 2), backend="inductor")
+    model = aot_compile(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already compiled ahead of time"):
+        aot_compile(model)
+    del model.forward
+    assert not isinstance(model.forward, AotForward)
