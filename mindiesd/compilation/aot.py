@@ -219,12 +219,16 @@ class AotForward:
     """The forward :func:`aot_compile` gives a module: per input signature, the artifact loaded or compiled once.
 
     :attr:`outcomes` maps each signature seen to how it runs: ``loaded`` (an artifact from the cache folder),
-    ``stored`` (compiled and written), ``compiled`` (compiled, kept in memory: no cache folder or not writable) or
+    ``stored`` (compiled and written), ``compiled`` (compiled, kept in memory: no cache folder or not writable),
+    ``shared`` (the artifact another module of the same :func:`aot_compile` call uses: a repeated block) or
     ``torch.compile: <why>`` (not an artifact). :attr:`seconds` holds the time each took to become runnable.
     """
 
-    def __init__(self, module: torch.nn.Module, backend: MindieSDBackend, dynamic: Optional[bool]):
+    def __init__(self, module: torch.nn.Module, backend: MindieSDBackend, dynamic: Optional[bool],
+                 shared: Optional[Dict[str, Any]] = None):
         self.module, self.backend, self.dynamic = module, backend, dynamic
+        #: Artifacts by key, shared by the forwards of one aot_compile call (the blocks of a regional compile).
+        self.shared: Dict[str, Any] = shared if shared is not None else {}
         self.function = type(module).forward
         self._runs: Dict[str, Callable[..., Any]] = {}
         self._artifacts: Dict[str, Any] = {}
@@ -257,10 +261,13 @@ class AotForward:
         folder = self.backend.config.cache_dir
         key = _digest(model_key(self.module, self.backend, self.dynamic),
                       _signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
+        if key in self.shared:
+            return self._bind(self.shared[key]), "shared", self.shared[key]
         path = Path(folder).expanduser() / FOLDER / f"{key}{SUFFIX}" if folder else None
         if path is not None and path.is_file():
             loaded = self._load(path, key, args, kwargs)
             if loaded is not None:
+                self.shared[key] = loaded
                 return self._bind(loaded), "loaded", loaded
         try:
             compiled = self._compile(args, kwargs)
@@ -269,6 +276,7 @@ class AotForward:
         except Exception as exc:  # graph breaks, or what Dynamo's ahead-of-time path does not support
             return self._torch_compile(f"{type(exc).__name__}: {_first_line(exc)}")
         outcome = "compiled"
+        self.shared[key] = compiled
         if path is not None:
             outcome = "stored" if self._store(compiled, path, key) else "compiled"
         return self._bind(compiled), outcome, compiled
@@ -338,10 +346,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def aot_compile(module: torch.nn.Module, backend: Optional[MindieSDBackend] = None, *,
-                dynamic: Optional[bool] = None) -> torch.nn.Module:
+                dynamic: Optional[bool] = None, regional: bool = False) -> torch.nn.Module:
     """Give ``module`` a forward compiled ahead of time by ``backend`` (default ``MindieSDBackend()``), with its
     artifacts in ``backend.config.cache_dir``; returns ``module`` itself, so pipelines and hooks see the same
     object. ``del module.forward`` restores the uncompiled forward.
+
+    ``regional=True`` compiles the model's repeated blocks instead (the classes its ``_repeated_blocks`` names, as
+    diffusers' ``compile_repeated_blocks``): one artifact per block class and input signature, shared by every
+    block of the class, so a warm start does not grow with the depth.
 
     Use it in place of ``torch.compile(module, backend=...)`` where processes start often: the first process pays
     the trace and stores the artifact, later ones load it in a fraction of a second.
@@ -352,7 +364,17 @@ def aot_compile(module: torch.nn.Module, backend: Optional[MindieSDBackend] = No
         raise TypeError(f"aot_compile takes a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(backend, MindieSDBackend):
         raise TypeError(f"backend must be a MindieSDBackend, got {type(backend).__name__}")
-    if isinstance(module.__dict__.get("forward"), AotForward):
-        raise ValueError(f"{type(module).__name__} is already compiled ahead of time (del module.forward first)")
-    module.forward = AotForward(module, backend, dynamic)
+    targets = [module]
+    if regional:
+        names = set(getattr(module, "_repeated_blocks", None) or ())
+        targets = [sub for sub in module.modules() if type(sub).__name__ in names]
+        if not targets:
+            raise ValueError(f"{type(module).__name__} declares no repeated blocks (_repeated_blocks = "
+                             f"{sorted(names)}); set _repeated_blocks to the block class names to compile them")
+    for target in targets:
+        if isinstance(target.__dict__.get("forward"), AotForward):
+            raise ValueError(f"{type(target).__name__} is already compiled ahead of time (del .forward first)")
+    shared: Dict[str, Any] = {}
+    for target in targets:
+        target.forward = AotForward(target, backend, dynamic, shared)
     return module
