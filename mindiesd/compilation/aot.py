@@ -230,7 +230,9 @@ class AotForward:
         #: Artifacts by key, shared by the forwards of one aot_compile call (the blocks of a regional compile).
         self.shared: Dict[str, Any] = shared if shared is not None else {}
         self.function = type(module).forward
-        self._runs: Dict[str, Callable[..., Any]] = {}
+        #: Per signature, what runs it: (artifact, its callable); a new artifact is added where the guards of
+        #: those there refuse the inputs (``dynamic=True`` keys by rank only; a module changed in structure).
+        self._runs: Dict[str, List[Tuple[Any, Callable[..., Any]]]] = {}
         self._artifacts: Dict[str, Any] = {}
         self.outcomes: Dict[str, str] = {}
         self.seconds: Dict[str, float] = {}
@@ -241,14 +243,20 @@ class AotForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         signature = _digest(_signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
-        run = self._runs.get(signature)
-        if run is None:
-            start = time.perf_counter()
-            run, self.outcomes[signature], artifact = self._prepare(args, kwargs)
-            if artifact is not None:
-                self._artifacts[signature] = artifact
-            self.seconds[signature] = time.perf_counter() - start
-            self._runs[signature] = run
+        candidates = self._runs.setdefault(signature, [])
+        for artifact, run in candidates:
+            if artifact is None:  # torch.compile: its own guards
+                return run(*args, **kwargs)
+            if artifact.guard_check(self.module, *args, **kwargs):
+                return artifact.fn(self.module, *args, **kwargs)
+        start = time.perf_counter()
+        key = _digest(model_key(self.module, self.backend, self.dynamic),
+                      _signature((args, kwargs), False), torch.is_grad_enabled())
+        run, self.outcomes[key], artifact = self._prepare(key, args, kwargs)
+        self.seconds[key] = time.perf_counter() - start
+        if artifact is not None:
+            self._artifacts[key] = artifact
+        candidates.append((artifact, run))
         return run(*args, **kwargs)
 
     def _closure(self) -> Dict[str, Any]:
@@ -256,13 +264,13 @@ class AotForward:
         they are the same objects in the process that loads the artifact."""
         return {f"cell{i}": cell.cell_contents for i, cell in enumerate(self.function.__closure__ or ())}
 
-    def _prepare(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Callable[..., Any], str, Any]:
-        """How this signature runs, the outcome's word and the artifact (None: not one)."""
+    def _prepare(self, key: str, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Tuple[Callable[..., Any], str, Any]:
+        """How the artifact ``key`` runs, the outcome's word and the artifact (None: not one)."""
         folder = self.backend.config.cache_dir
-        key = _digest(model_key(self.module, self.backend, self.dynamic),
-                      _signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
-        if key in self.shared:
-            return self._bind(self.shared[key]), "shared", self.shared[key]
+        known = self.shared.get(key)
+        if known is not None and known.guard_check(self.module, *args, **kwargs):
+            return self._bind(known), "shared", known
         path = Path(folder).expanduser() / FOLDER / f"{key}{SUFFIX}" if folder else None
         if path is not None and path.is_file():
             loaded = self._load(path, key, args, kwargs)
@@ -292,7 +300,9 @@ class AotForward:
     def _compile(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         compiled = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic,
                                  backend=_ArtifactBackend(self.backend), options={"guard_filter_fn": _guard_filter})
-        with torch._dynamo.config.patch(enable_aot_compile=True), self._plain_module():
+        # specialize_float: Python floats stay constants (the signature holds their values); tensorifying them
+        # restarts Dynamo's analysis, which its ahead-of-time path does not do
+        with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True), self._plain_module():
             return compiled.aot_compile(((self.module, *args), kwargs))
 
     @contextlib.contextmanager

@@ -245,3 +245,86 @@ def test_misuse_is_refused_clearly():
         aot_compile(model)
     del model.forward
     assert not isinstance(model.forward, AotForward)
+
+
+@pytest.mark.slow
+def test_lora_hotswap_after_loading_takes_effect_without_compiling(tmp_path):
+    pytest.importorskip("peft")
+    from lora_utils import lora_state_dict
+
+    config = CompilationConfig(cache_dir=str(tmp_path))
+    first = _flux()
+    first.model.load_lora_adapter(lora_state_dict(first.model, 1), adapter_name="style", prefix=None)
+    _run(aot_compile(first.model, MindieSDBackend(config)), first.inputs)
+    torch._dynamo.reset()
+
+    case = _flux()
+    style, other_style = lora_state_dict(case.model, 1), lora_state_dict(case.model, 2)
+    case.model.load_lora_adapter(style, adapter_name="style", prefix=None)
+    model = aot_compile(case.model, MindieSDBackend(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        before = _run(model, case.inputs)
+        model.load_lora_adapter(other_style, adapter_name="style", prefix=None, hotswap=True)
+        swapped = _run(model, case.inputs)
+    assert list(model.forward.outcomes.values()) == ["loaded"], "the hot-swap compiled again"
+    del model.forward
+    swapped_eager = _run(model, case.inputs)
+    assert ((swapped_eager - before).abs().max() / before.abs().max()).item() > 1e-3
+    torch.testing.assert_close(swapped, swapped_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_device_graph_capture_wraps_a_loaded_artifact(tmp_path):
+    from mindiesd.compilation import SimulatedGraphAdapter, register_adapter
+
+    simulator = SimulatedGraphAdapter()
+    register_adapter("cpu", lambda device: simulator)
+    try:
+        config = CompilationConfig(cache_dir=str(tmp_path), aclgraph_with_compile=True)
+        case = _flux()
+        _run(aot_compile(case.model, MindieSDBackend(config)), case.inputs)
+        torch._dynamo.reset()
+        other = _flux()
+        model = aot_compile(other.model, MindieSDBackend(config))
+        captures = simulator.captures
+        outs = [_run(model, other.inputs) for _ in range(3)]
+    finally:
+        register_adapter("cpu", None)
+    assert list(model.forward.outcomes.values()) == ["loaded"]
+    assert simulator.captures == captures + 1 and simulator.replays >= 2, "captured afresh, then replayed"
+    for out in outs:
+        torch.testing.assert_close(out, _eager(other.model, other.inputs))
+
+
+class _NormLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = torch.nn.RMSNorm(16, eps=1e-6), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(self.norm(x)) + x
+
+
+def test_dynamic_shapes_one_artifact_serves_several_lengths(tmp_path):
+    """dynamic=True: one symbolic graph for every sequence length (a model whose code specializes a size, as
+    diffusers' Flux does for its rotary tables, gets one artifact per size instead: its guards tell them apart)."""
+    backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
+    model = aot_compile(_NormLinear().eval(), backend, dynamic=True)
+    for length in (8, 12, 20):
+        x = torch.randn(2, length, 16)
+        torch.testing.assert_close(_run_plain(model, x), _NormLinear.forward(model, x))
+    assert list(model.forward.outcomes.values()) == ["stored"]
+    assert [r.matches["rms_norm"] for r in backend.report().records] == [1]
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) or n.type is torch.SymInt
+               for n in model.forward.graphs()[0].graph.nodes if n.op == "placeholder"), "no symbolic size"
+
+
+def test_flux_with_dynamic_shapes_runs_each_resolution_correctly(tmp_path):
+    case = _flux()
+    model = aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))), dynamic=True)
+    image = case.inputs["hidden_states"]
+    taller = {**case.inputs, "hidden_states": torch.cat([image, image.flip(1)], dim=1),
+              "img_ids": torch.cat([case.inputs["img_ids"]] * 2)}
+    for inputs in (case.inputs, taller, case.inputs):
+        torch.testing.assert_close(_run(model, inputs), _eager(case.model, inputs), rtol=1e-5, atol=1e-5)
+    assert set(model.forward.outcomes.values()) == {"stored"} and len(model.forward.outcomes) <= 2

@@ -17,6 +17,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 
 from fusion_utils import FAMILIES  # noqa: E402
+from lora_utils import lora_state_dict as _lora_state_dict  # noqa: E402
 from mindiesd import zoo  # noqa: E402
 from mindiesd.compilation import (  # noqa: E402
     CompilationConfig,
@@ -28,20 +29,6 @@ from mindiesd.compilation import (  # noqa: E402
 
 pytestmark = pytest.mark.slow  # whole models: the quick subset is `pytest -m "not slow"`
 
-TARGETS = (".to_q", ".to_k", ".to_v")  # the attention projections (Flux: attn; Wan: attn1, attn2)
-RANK = 4
-
-
-def _lora_state_dict(model, seed):
-    """A PEFT-format LoRA of rank RANK on every attention's q/k/v projection, seeded."""
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, module in model.named_modules():
-        if name.endswith(TARGETS) and isinstance(module, torch.nn.Linear):
-            state[f"{name}.lora_A.weight"] = torch.randn(RANK, module.in_features, generator=gen) * 0.05
-            state[f"{name}.lora_B.weight"] = torch.randn(module.out_features, RANK, generator=gen) * 0.05
-    assert state, "no attention projection found"
-    return state
 
 
 def _error(actual, expected):
