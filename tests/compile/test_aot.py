@@ -85,6 +85,7 @@ def test_a_second_process_loads_the_artifact_without_tracing(name, tmp_path):
     assert second["first_call_s"] < first["first_call_s"] / 3
 
 
+@pytest.mark.slow
 def test_regional_artifacts_one_per_block_class_shared_by_its_blocks(tmp_path):
     """Tiny Flux: 2 double-stream and 4 single-stream blocks give 3 artifacts (the first single block reads its
     input in another layout than the others, which Dynamo's stride guards tell apart); the blocks of one signature
@@ -162,6 +163,7 @@ def test_weights_changed_after_loading_are_seen(tmp_path):
     torch.testing.assert_close(after, _eager(model, other.inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_changed_version_or_setting_compiles_a_new_artifact(tmp_path, monkeypatch):
     case = _flux()
     _run(aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))), case.inputs)
@@ -177,7 +179,8 @@ def test_a_changed_version_or_setting_compiles_a_new_artifact(tmp_path, monkeypa
     assert len(graph_cache.artifact_files(str(tmp_path))) == 3
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])
+@pytest.mark.parametrize("damage", [pytest.param("truncated", marks=pytest.mark.slow), "garbage",
+                                    pytest.param("foreign", marks=pytest.mark.slow)])
 def test_a_damaged_artifact_warns_and_compiles_again(damage, tmp_path):
     case = _flux()
     _run(aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))), case.inputs)
@@ -319,6 +322,7 @@ def test_dynamic_shapes_one_artifact_serves_several_lengths(tmp_path):
                for n in model.forward.graphs()[0].graph.nodes if n.op == "placeholder"), "no symbolic size"
 
 
+@pytest.mark.slow
 def test_flux_with_dynamic_shapes_runs_each_resolution_correctly(tmp_path):
     case = _flux()
     model = aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))), dynamic=True)
