@@ -104,6 +104,11 @@ def _cache_state(records: Sequence[Any]) -> str:
     """One word for the persistent cache over a compile's graphs: hit, stored, off, or a tally of the outcomes."""
     states = [str(getattr(record, "cache", "off")) for record in records]
     states = ["not cached" if state.startswith("not cached") else state for state in states]
+    return _tally(states)
+
+
+def _tally(states: Sequence[str]) -> str:
+    """``-`` for none, the word where all agree, else ``2 hit/1 stored``."""
     if not states:
         return "-"
     if len(set(states)) == 1:
@@ -129,6 +134,25 @@ def _report_fields(backend: Any) -> dict[str, Any]:
     return fields
 
 
+def _aot_fields(model: torch.nn.Module, backend: Any) -> dict[str, Any]:
+    """The row's fusion and cache columns for a model compiled by ``aot_compile``: counts as the artifacts
+    recorded them (a loaded artifact was not compiled here), ``graphs`` = artifacts, ``cache`` = how they came."""
+    from ..compilation.aot import aot_forwards
+
+    forwards = aot_forwards(model)
+    fields = _report_fields(backend)
+    matches: dict[str, int] = {}
+    for forward in forwards:
+        for family, count in forward.matches().items():
+            matches[family] = matches.get(family, 0) + count
+    fields.update({family: int(matches.get(family, 0)) for family in FAMILIES})
+    outcomes = [o for forward in forwards for o in forward.outcomes.values() if o != "shared"]
+    fields["graphs"] = len(outcomes)
+    words = ["aot hit" if o == "loaded" else f"aot {o}" if o in ("stored", "compiled") else "no aot" for o in outcomes]
+    fields["cache"] = _tally(words)
+    return fields
+
+
 def fused_ops_run(fn: Callable[[], Any]) -> int:
     """How many fused ``mindiesd::`` ops one call of ``fn`` runs (counted by the profiler, so what really ran)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -137,20 +161,30 @@ def fused_ops_run(fn: Callable[[], Any]) -> int:
 
 
 def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, backend: Any, progress: Progress,
-                      tag: str, row: dict[str, Any]) -> Callable[[], Any] | None:
-    """Compile a copy of ``model`` with diffusers' ``compile_repeated_blocks``; fill the regional columns."""
+                      tag: str, row: dict[str, Any], aot: bool = False) -> Callable[[], Any] | None:
+    """Compile a copy of ``model`` with diffusers' ``compile_repeated_blocks`` (``aot``: ``aot_compile(...,
+    regional=True)``); fill the regional columns."""
     classes = zoo.repeated_blocks(model)
     if not classes or not hasattr(model, "compile_repeated_blocks"):
         progress.note(f"{tag} has no repeated blocks: regional columns left empty")
         return None
     blocks_model = copy.deepcopy(model)
     blocks_model._repeated_blocks = list(classes)  # what the class declares, or its ModuleList's block class
-    blocks_model.compile_repeated_blocks(backend=backend)
+    if aot:
+        from ..compilation.aot import aot_compile
+
+        aot_compile(blocks_model, backend, regional=True)
+    else:
+        blocks_model.compile_repeated_blocks(backend=backend)
     out, row["regional_compile_s"] = _timed_first_call(
         lambda: blocks_model(**inputs), progress, f"compiling the repeated blocks of {tag} with mindiesd"
     )
     row["regional_max_rel_err"] = max_relative_error(out, reference)
-    row["regional_graphs"] = backend.report().graphs
+    if aot:
+        aot_row = _aot_fields(blocks_model, backend)
+        row["regional_graphs"], row["regional_cache"] = aot_row["graphs"], aot_row["cache"]
+    else:
+        row["regional_graphs"] = backend.report().graphs
     row["regional_fused"] = fused_ops_run(lambda: blocks_model(**inputs))
     return lambda: blocks_model(**inputs)
 
@@ -169,6 +203,7 @@ def run_case(
     regional: bool = False,
     ablate: bool = False,
     force: Sequence[str] = (),
+    aot: bool = False,
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -188,7 +223,9 @@ def run_case(
     ``fused``, the whole-model compile's), error, first-call seconds and steady ms. With ``ablate``, per GEMM
     rewrite that the compile made, a copy compiled with its switch off, timed in the same interleaved runs:
     ``gain_<family>`` = its ms / the ms with every rewrite on. ``force``: families every backend runs on the
-    device even where mindiesd declares them not faster there.
+    device even where mindiesd declares them not faster there. With ``aot``, the mindiesd variants are compiled
+    by ``aot_compile`` on a copy (an artifact in ``cache_dir`` loaded, or compiled and stored): ``cache`` says
+    ``aot hit`` / ``aot stored`` and the fused counts are those the artifacts recorded.
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -217,11 +254,16 @@ def run_case(
             reference = model(**inputs)
             _synchronize(device)
 
-            compiled = torch.compile(model, backend=backend)
+            if aot:
+                from ..compilation.aot import aot_compile
+
+                compiled = aot_compile(copy.deepcopy(model), backend)
+            else:
+                compiled = torch.compile(model, backend=backend)
             out, compile_s = _timed_first_call(
                 lambda: compiled(**inputs), progress, f"compiling {tag} with mindiesd"
             )
-            row.update(_report_fields(backend))
+            row.update(_aot_fields(compiled, backend) if aot else _report_fields(backend))
             row["max_rel_err"] = max_relative_error(out, reference)
             row["compile_s"] = compile_s
             if regional:
@@ -265,7 +307,7 @@ def run_case(
                         runners[f"no_{family}"] = lambda without=without: without(**inputs)
             if regional:
                 row.update(dict.fromkeys(REGIONAL_COLUMNS))
-                run_regional = _regional_variant(model, inputs, reference, backend_with(), progress, tag, row)
+                run_regional = _regional_variant(model, inputs, reference, backend_with(), progress, tag, row, aot)
                 if run_regional is not None:
                     runners["regional"] = run_regional
             medians = _time(runners, iters, warmup, device, progress, tag)
@@ -345,6 +387,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fused ops run per forward, error, compile seconds and steady ms beside the whole-model figures",
     )
     parser.add_argument(
+        "--aot",
+        action="store_true",
+        help="compile with mindiesd.compilation.aot_compile: the artifact in the cache folder is loaded without "
+        "Dynamo's trace, or compiled and stored (cache: aot hit / aot stored); with --regional, one artifact per "
+        "repeated block class",
+    )
+    parser.add_argument(
         "--capture",
         action="store_true",
         help="also compile with aclgraph_with_compile=True: first-call seconds and steady ms of replay "
@@ -410,6 +459,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     regional=args.regional,
                     ablate=args.ablate,
                     force=args.force,
+                    aot=args.aot,
                 )
             )
         except ImportError as exc:

@@ -44,7 +44,7 @@ from .device_graph import wrap_for_capture
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["aot_compile", "AotForward", "ArtifactGraph"]
+__all__ = ["aot_compile", "aot_forwards", "AotForward", "ArtifactGraph"]
 
 FOLDER, SUFFIX = graph_cache.ARTIFACT_FOLDER, graph_cache.ARTIFACT_SUFFIX
 
@@ -232,7 +232,7 @@ class AotForward:
         self.function = type(module).forward
         #: Per signature, what runs it: (artifact, its callable); a new artifact is added where the guards of
         #: those there refuse the inputs (``dynamic=True`` keys by rank only; a module changed in structure).
-        self._runs: Dict[str, List[Tuple[Any, Callable[..., Any]]]] = {}
+        self._runs: Dict[Any, List[Tuple[Any, Callable[..., Any]]]] = {}
         self._artifacts: Dict[str, Any] = {}
         self.outcomes: Dict[str, str] = {}
         self.seconds: Dict[str, float] = {}
@@ -241,8 +241,16 @@ class AotForward:
         """The fused graphs of the artifacts in use (loaded or compiled), one per signature, to inspect."""
         return [artifact._artifacts.compiled_fn.entry.main for artifact in self._artifacts.values()]
 
+    def matches(self) -> Dict[str, int]:
+        """Rewrites per family in the artifacts in use, as their compile recorded them (loaded ones too)."""
+        total: Dict[str, int] = {}
+        for artifact in self._artifacts.values():
+            for family, count in artifact._artifacts.compiled_fn.entry.matches.items():
+                total[family] = total.get(family, 0) + count
+        return total
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        signature = _digest(_signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
+        signature = (_signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
         candidates = self._runs.setdefault(signature, [])
         for artifact, run in candidates:
             if artifact is None:  # torch.compile: its own guards
@@ -353,6 +361,11 @@ class AotForward:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def aot_forwards(module: torch.nn.Module) -> List[AotForward]:
+    """The forwards :func:`aot_compile` gave ``module`` and its submodules (one, or one per repeated block)."""
+    return [sub.__dict__["forward"] for sub in module.modules() if isinstance(sub.__dict__.get("forward"), AotForward)]
 
 
 def aot_compile(module: torch.nn.Module, backend: Optional[MindieSDBackend] = None, *,

@@ -1,4 +1,4 @@
-"""The core models: Flux, SD3 and Wan, at tiny and mid size (batch 1)."""
+"""The core models: Flux, SD3 and Wan, at tiny and mid size (batch 1); Flux also deep."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ _FLUX = _sized(
     shapes=dict(grid=(32, 24), text_tokens=64),
     num_single_layers=2, num_attention_heads=8, joint_attention_dim=512, pooled_projection_dim=256,
 )
+#: Flux at its real depth (19 double-stream + 38 single-stream blocks), narrow and with few tokens: what makes a
+#: real model slow to trace is its depth, which this keeps at a CPU's cost.
+_FLUX["deep"] = Spec(config={**_FLUX["tiny"].config, "num_layers": 19, "num_single_layers": 38},
+                     shapes=dict(grid=(16, 16), text_tokens=32))
 
 _SD3 = _sized(
     Spec(

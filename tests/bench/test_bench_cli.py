@@ -356,6 +356,29 @@ def test_cli_bench_second_run_loads_from_the_cache_dir(tmp_path):
     assert second["max_rel_err"] < 1e-5
 
 
+@pytest.mark.parametrize("regional", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["whole", "regional"])
+def test_cli_bench_aot_stores_then_loads_the_artifact(tmp_path, regional):
+    """--aot: the first run compiles and stores the artifact, the second loads it (no backend work), with the
+    counts the artifact recorded."""
+    rows = []
+    for _ in range(2):
+        path = tmp_path / f"run{len(rows)}.json"
+        args = build_parser().parse_args(["bench", "--model", "flux", "--iters", "1", "--warmup", "0", "--quiet",
+                                          "--aot", "--cache-dir", str(tmp_path / "cache"), "--json", str(path)]
+                                         + ["--regional"] * regional)
+        assert models.run(args, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+        rows.append(json.loads(path.read_text())["rows"][0])
+    first, second = rows
+    assert (first["cache"], second["cache"]) == ("aot stored", "aot hit")
+    assert {f: second[f] for f in common.FAMILIES} == {f: first[f] for f in common.FAMILIES}
+    assert first["rms_norm"] == zoo.build("flux", "tiny").expected()["rms_norm"] and first["fallbacks"] == 0
+    assert second["backend_s"] == 0 and second["compile_s"] < first["compile_s"]
+    assert second["max_rel_err"] < 1e-5
+    if regional:
+        assert (first["regional_cache"], second["regional_cache"]) == ("aot stored", "aot hit")
+        assert first["regional_graphs"] == second["regional_graphs"] == 3
+
+
 def test_cli_bench_cold_uses_an_empty_cache_and_excludes_cache_dir(tmp_path, monkeypatch, capsys):
     from mindiesd.compilation import CompilationConfig
 
