@@ -170,8 +170,17 @@ def model_key(module: torch.nn.Module, backend: MindieSDBackend, dynamic: Option
         "config": _config_text(config),
         "sources": sources, "structure": structure, "tensors": tensors,
         "settings": graph_cache.settings_for_key(backend.config.to_dict()), "force": sorted(backend.force_fast),
-        "dynamic": dynamic, "training": module.training,
+        "dynamic": dynamic, "training": module.training, "rank": _rank(),
     }
+
+
+def _rank() -> Tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one: each rank has its artifacts."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _config_text(config: Any) -> str:
@@ -399,5 +408,10 @@ def aot_compile(module: torch.nn.Module, backend: Optional[MindieSDBackend] = No
             raise ValueError(f"{type(target).__name__} is already compiled ahead of time (del .forward first)")
     shared: Dict[str, Any] = {}
     for target in targets:
+        if "forward" in target.__dict__:  # hooks that replace the forward (diffusers' context parallelism, ...)
+            _warn(f"{type(target).__name__} has a forward of its own (a hook replaced it): an artifact of the "
+                  "class's forward would bypass it, so it is compiled with torch.compile in place")
+            target.compile(backend=backend, dynamic=dynamic)
+            continue
         target.forward = AotForward(target, backend, dynamic, shared)
     return module

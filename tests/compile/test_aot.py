@@ -332,3 +332,17 @@ def test_flux_with_dynamic_shapes_runs_each_resolution_correctly(tmp_path):
     for inputs in (case.inputs, taller, case.inputs):
         torch.testing.assert_close(_run(model, inputs), _eager(case.model, inputs), rtol=1e-5, atol=1e-5)
     assert set(model.forward.outcomes.values()) == {"stored"} and len(model.forward.outcomes) <= 2
+
+
+def test_a_module_whose_forward_a_hook_replaced_is_compiled_in_place_with_one_warning(tmp_path):
+    """diffusers' hooks (context parallelism, offloading) set the module's forward: an artifact of the class's
+    forward would bypass them, so the module is compiled with torch.compile in place instead."""
+    model = _NormLinear().eval()
+    plain_forward = model.forward
+    model.forward = lambda x: plain_forward(x) * 3  # what a hook does
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(MindieSDCacheWarning, match="forward of its own"):
+        compiled = aot_compile(model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
+    assert compiled is model and not isinstance(model.forward, AotForward) and model._compiled_call_impl is not None
+    torch.testing.assert_close(_run_plain(model, x), _NormLinear.forward(model, x) * 3)
+    assert graph_cache.artifact_files(str(tmp_path)) == []
