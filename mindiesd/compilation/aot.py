@@ -227,7 +227,7 @@ def _warn(message: str) -> None:
 class AotForward:
     """The forward :func:`aot_compile` gives a module: per input signature, the artifact loaded or compiled once.
 
-    :attr:`outcomes` maps each signature seen to how it runs: ``loaded`` (an artifact from the cache folder),
+    :attr:`outcomes` maps each artifact key (a hash of the module's key and the input signature) to how it runs: ``loaded`` (an artifact from the cache folder),
     ``stored`` (compiled and written), ``compiled`` (compiled, kept in memory: no cache folder or not writable),
     ``shared`` (the artifact another module of the same :func:`aot_compile` call uses: a repeated block) or
     ``torch.compile: <why>`` (not an artifact). :attr:`seconds` holds the time each took to become runnable.
