@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from .aot import AotForward, aot_compile
+from .aot import AotForward, aot_compile, aot_forwards
 from .backend import MindieSDBackend, MindieSDFallbackWarning
 from .cache import MindieSDCacheWarning
 from .config import (
@@ -36,6 +36,7 @@ from .report import CompileReport, GraphRecord, fusion_report, reset_fusion_repo
 __all__ = [
     "MindieSDBackend",
     "aot_compile",
+    "aot_forwards",
     "AotForward",
     "MindieSDCacheWarning",
     "CompilationConfig",

@@ -371,6 +371,32 @@ def job_model(name):
     return result
 
 
+def job_aot(name, folder):
+    """Tiny registry model ``name`` under Ulysses context parallelism, its repeated blocks compiled ahead of time
+    into ``folder`` (shared by the ranks): a first model stores this rank's artifacts, a second one loads them."""
+    from mindiesd.compilation import aot_compile, aot_forwards
+
+    _fresh()
+    world_size = dist.get_world_size()
+    result = {}
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for round_ in ("first", "second"):
+            torch._dynamo.reset()
+            case = _regional_case(name)
+            reference = _first(case.model(**case.inputs))
+            enable_context_parallel(case.model, "ulysses", world_size)
+            case.model._repeated_blocks = zoo.repeated_blocks(case.model)
+            model = aot_compile(case.model, MindieSDBackend(CompilationConfig(cache_dir=folder)), regional=True)
+            out = _first(model(**case.inputs))
+            outcomes = sorted(o for f in aot_forwards(model) for o in f.outcomes.values())
+            result[round_] = {"error": _relative_error(out, reference), "outcomes": outcomes,
+                              "collectives": collectives_in([g for f in aot_forwards(model) for g in f.graphs()])}
+        result["fallbacks"] = _fallbacks(caught)
+    torch._dynamo.reset()
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- the world
 
 
@@ -455,6 +481,23 @@ def test_diffusers_ulysses_compiled_on_two_ranks_matches_single_process(world, n
         assert r["regional_collectives"]["all_to_all_single"] > 0
     collectives = _same_on_every_rank(results, "collectives")
     assert collectives["all_to_all_single"] > 0 and collectives["all_gather_into_tensor"] == 1
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_store_and_load_artifacts_of_their_own(world, tmp_path):
+    """Each rank keys its artifacts by its rank: the first model stores them, a second model loads them, with the
+    all-to-all of Ulysses attention inside, and the output of the single-process eager model."""
+    results = world.run(job_aot, "flux", str(tmp_path), timeout=420)
+    for rank, r in enumerate(results):
+        assert r["fallbacks"] == [], rank
+        assert set(r["first"]["outcomes"]) <= {"stored", "shared"} and "stored" in r["first"]["outcomes"], r
+        assert set(r["second"]["outcomes"]) <= {"loaded", "shared"} and "loaded" in r["second"]["outcomes"], r
+        assert r["first"]["error"] <= MAX_ERROR and r["second"]["error"] <= MAX_ERROR, (rank, r)
+        assert r["second"]["collectives"]["all_to_all_single"] > 0
+    from mindiesd.compilation import cache as graph_cache
+
+    stored = sum(r["first"]["outcomes"].count("stored") for r in results)
+    assert len(graph_cache.artifact_files(str(tmp_path))) == stored, "one set of artifacts per rank"
 
 
 @pytest.mark.slow
