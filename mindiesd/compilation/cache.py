@@ -19,7 +19,7 @@ The values of parameters and buffers are not in the key: they are inputs of the 
 as in a fresh compile, so loading a checkpoint or hot-swapping a LoRA keeps the entry valid.
 
 **Entries.** ``<cache_dir>/<key[:2]>/<key>.graph``: a header line (magic, format, key, payload size and sha256)
-and the pickled payload (the graphs as ``torch.fx.GraphModule`` pickles them: their code). An entry is written to a
+and the pickled payload (the graphs as their nodes, rebuilt without re-tracing their code). An entry is written to a
 temporary file in the same folder and renamed into place, so a reader sees a whole entry or none, and two
 processes writing one entry at once leave one whole entry. A file that is truncated, corrupt, written by another
 format or stored under another key is ignored with a :class:`MindieSDCacheWarning` and the graph is compiled (and
@@ -34,6 +34,7 @@ tensor subclasses, effect tokens).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -49,6 +50,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch.fx import GraphModule
 
+from . import stored_graph
+
 log = logging.getLogger("mindiesd.compilation")
 
 __all__ = [
@@ -56,7 +59,7 @@ __all__ = [
 ]
 
 #: Version of the entry layout; entries of another format are ignored.
-FORMAT = 1
+FORMAT = 2
 _MAGIC = b"MINDIESD-GRAPH-CACHE"
 _SUFFIX = ".graph"
 
@@ -79,14 +82,26 @@ class CachedGraph:
     skipped: Dict[str, str] = field(default_factory=dict)
     nodes_after: int = 0
 
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["main"] = stored_graph.state_of(self.main)
+        state["fold"] = None if self.fold is None else stored_graph.state_of(self.fold)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        state["main"] = stored_graph.graph_module(state["main"])
+        state["fold"] = None if state["fold"] is None else stored_graph.graph_module(state["fold"])
+        self.__dict__.update(state)
+
     def check(self) -> None:
         """Raise ValueError when the parts do not fit together (a corrupt or foreign payload)."""
         if not isinstance(self.main, GraphModule) or not (self.fold is None or isinstance(self.fold, GraphModule)):
             raise ValueError("the payload holds no graph")
-        placeholders = sum(1 for n in self.main.graph.nodes if n.op == "placeholder")
+        placeholders = stored_graph.placeholders(self.main)
         if self.fold is None:
             return
-        fold_placeholders = sum(1 for n in self.fold.graph.nodes if n.op == "placeholder")
+        fold_placeholders = stored_graph.placeholders(self.fold)
         if fold_placeholders != len(self.fold_inputs) or placeholders != self.n_folded + len(self.main_inputs):
             raise ValueError("the fold and main graphs do not fit their input lists")
 
@@ -116,15 +131,22 @@ def _source_hash(root: Optional[Path] = None) -> str:
     return _SOURCE_HASH
 
 
-def _versions() -> Dict[str, str]:
-    import mindiesd
-
+@functools.lru_cache(maxsize=None)
+def _installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` ("-": none); read once per process (reading the metadata takes
+    milliseconds, and a key is made per graph and per compiled block)."""
     try:
         from importlib.metadata import version
 
-        diffusers = version("diffusers")
+        return version(distribution)
     except Exception:  # not installed
-        diffusers = "-"
+        return "-"
+
+
+def _versions() -> Dict[str, str]:
+    import mindiesd
+
+    diffusers = _installed_version("diffusers")
     return {
         "format": str(FORMAT), "mindiesd": mindiesd.__version__, "sources": _source_hash(), "torch": torch.__version__,
         "diffusers": diffusers, "python": platform.python_version(),

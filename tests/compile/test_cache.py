@@ -184,7 +184,7 @@ def test_a_broken_entry_is_ignored_with_a_warning_and_compiled_again(tmp_path, b
         key = path.stem
         path.write_bytes(data.replace(key.encode(), ("0" * len(key)).encode(), 1))
     elif damage == "other_format":
-        path.write_bytes(data.replace(b'"format": 1', b'"format": 99', 1))
+        path.write_bytes(data.replace(f'"format": {graph_cache.FORMAT}'.encode(), b'"format": 99', 1))
     elif damage == "wrong_payload":
         GraphCache(str(tmp_path)).store(path.stem, graph_cache.CachedGraph(main=torch.fx.symbolic_trace(
             torch.nn.Identity()), fold=torch.fx.symbolic_trace(torch.nn.Identity()), fold_inputs=[0], n_folded=5))
@@ -207,10 +207,17 @@ def test_an_unwritable_folder_warns_and_compiles(tmp_path, block):
         assert_close(out, model(x))
 
 
+class _AddsTable(torch.nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("table", torch.full((size,), float(size)))
+
+    def forward(self, x):
+        return x + self.table
+
+
 def _store_many(root: str, key: str, n: int, payload_size: int) -> None:
-    table = torch.full((payload_size,), float(payload_size))
-    gm = torch.fx.symbolic_trace(torch.nn.Identity())
-    gm.register_buffer("table", table)
+    gm = torch.fx.symbolic_trace(_AddsTable(payload_size))  # the graph reads the table: it is stored with it
     for _ in range(n):
         GraphCache(root).store(key, graph_cache.CachedGraph(main=gm, nodes_after=payload_size))
 
@@ -229,6 +236,7 @@ def test_concurrent_writers_leave_a_whole_entry(tmp_path):
         entry = GraphCache(str(tmp_path)).load(key)
     assert entry is not None and entry.nodes_after in (100_000, 150_000)
     assert entry.main.table.numel() == entry.nodes_after  # the payload is one writer's, whole
+    assert torch.equal(entry.main(torch.zeros(())), torch.full((entry.nodes_after,), float(entry.nodes_after)))
     assert not list(tmp_path.glob("**/*.tmp"))
 
 
