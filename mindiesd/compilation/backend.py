@@ -34,6 +34,7 @@ from .config import CompilationConfig
 from .context import GraphContext
 from .device_graph import DeviceGraphRunner, wrap_for_capture
 from .freezing import FrozenGraph, constant_inputs, split_constants
+from .fx_utils import drop_copies
 from .graph_log import GraphLog, resolve_log_dir
 from .pass_manager import PassManager
 from .report import CompileReport, GraphRecord, fusion_report
@@ -269,6 +270,9 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
     split = frozen.graph
     target = split.main if split is not None else aten_gm
     matches = {**frozen.rewrites, **passes.run(target, graph_log)}
+    dropped = drop_copies(target.graph)
+    if dropped:
+        log.debug("removed %d copies of computed values", dropped)
     target.graph.eliminate_dead_code()
     target.recompile()
     return CompiledGraph(

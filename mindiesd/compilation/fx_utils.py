@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = [
     "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "known_eq", "same_shape", "same_layout",
-    "foldable_nodes", "fake_call", "Emitter", "erase_unused", "MAX_EXPANDED_NUMEL",
+    "foldable_nodes", "fake_call", "Emitter", "erase_unused", "drop_copies", "MAX_EXPANDED_NUMEL",
 ]
 
 #: A folded value may be larger than the weights it is computed from only up to this many elements.
@@ -197,3 +197,74 @@ def erase_unused(nodes: Iterable[Any]) -> None:
                 node.graph.erase_node(node)
                 del pending[node]
                 progress = True
+
+
+def _aliases_input(node: Node) -> bool:
+    """Whether ``node``'s result may share memory with one of its inputs (a view, ``getitem`` of a split, ...)."""
+    target = node.target
+    if node.op != "call_function":
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return True  # operator.getitem and other Python callables: may hand an input on as it is
+    return any(ret.alias_info is not None for ret in target._schema.returns)
+
+
+def _escapes(node: Node) -> bool:
+    """Whether ``node``'s memory may be seen outside the graph: it, or a view of it, is an output."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if user not in seen and _aliases_input(user):
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
+def drop_copies(graph: Graph) -> int:
+    """Remove the copies that only duplicate a value the graph computed: ``clone`` (keeping the layout, or making
+    contiguous what already is), as the decomposition of an inference-mode dropout leaves after every attention
+    output and feed-forward of a diffusers block. A copy stays where the graph writes in place anywhere, where its
+    source is an input of the graph, and where it (or a view of it) is an output, so that no output shares memory it
+    did not share before. Returns how many were removed."""
+    if any(writes_in_place(node) for node in graph.nodes):
+        return 0
+    removed = 0
+    for node in list(graph.nodes):
+        if not is_call(node, torch.ops.aten.clone.default) or len(node.args) != 1:
+            continue
+        source = node.args[0]
+        if not isinstance(source, Node) or source.op != "call_function":
+            continue
+        fmt = node.kwargs.get("memory_format", torch.preserve_format)
+        src = tensor_val(source)
+        if src is None or set(node.kwargs) - {"memory_format"}:
+            continue
+        if fmt is not torch.preserve_format:
+            if fmt is not torch.contiguous_format or not _known_contiguous(src):
+                continue
+        elif not _known_dense(src):
+            continue
+        if _escapes(node):
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        removed += 1
+    return removed
+
+
+def _known_contiguous(value: torch.Tensor) -> bool:
+    try:
+        return bool(statically_known_true(value.is_contiguous()))
+    except Exception:
+        return False
+
+
+def _known_dense(value: torch.Tensor) -> bool:
+    """Contiguous in some dimension order without gaps or overlap: a preserving clone keeps its strides as they are."""
+    try:
+        return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(value))
+    except Exception:
+        return False

@@ -49,6 +49,9 @@ def test_tiny_model_fuses_every_site_and_matches_eager(name, dtype):
     assert all(backend.report().matches[f] == 0 for f in GEMM_FAMILIES), "off on CPU by default"
     assert backend.report().graphs == 1, "a second call with the same shapes must not recompile"
     assert not backend.report().fallbacks
+    # the copies of the inference-mode dropouts (after every attention output and feed-forward) are gone
+    kept = [n.kwargs for gm in backend.graphs for n in gm.graph.nodes if n.target == torch.ops.aten.clone.default]
+    assert all(k.get("memory_format") == torch.contiguous_format for k in kept), kept
 
     rtol, atol = TOLERANCE[dtype]
     scale = reference.float().abs().max()

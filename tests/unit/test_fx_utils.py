@@ -5,7 +5,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mindiesd.compilation.freezing import split_constants
-from mindiesd.compilation.fx_utils import Emitter, erase_unused, foldable_nodes, placeholders, same_layout, tensor_val
+from mindiesd.compilation.fx_utils import (
+    Emitter, drop_copies, erase_unused, foldable_nodes, placeholders, same_layout, tensor_val,
+)
 from mindiesd.compilation.passes.merge_projections import MergeProjectionsPass
 
 aten = torch.ops.aten
@@ -78,3 +80,50 @@ def test_emitted_nodes_carry_fake_values_and_erase_unused_keeps_what_is_read_or_
     assert targets(gm.graph.nodes) == {aten.relu.default, aten.exp.default}, "relu is read by the output"
     emit.discard()
     assert targets(gm.graph.nodes) == {aten.relu.default} and kept not in gm.graph.nodes
+
+
+def _clones(gm):
+    return sum(1 for n in gm.graph.nodes if n.target == aten.clone.default)
+
+
+def _dropout_block(x, w):
+    h = (x @ w).clone()  # what an inference dropout becomes in aot's inference graph
+    return torch.nn.functional.gelu(h) * 2
+
+
+def test_the_copies_an_inference_dropout_leaves_are_removed():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm = traced(_dropout_block, x, w)
+    assert _clones(gm) == 1
+    assert drop_copies(gm.graph) == 1
+    gm.recompile()
+    assert _clones(gm) == 0
+    torch.testing.assert_close(gm(x, w), _dropout_block(x, w), rtol=0, atol=0)
+
+
+def test_copies_that_keep_outputs_apart_or_change_layout_stay():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    cases = {
+        "an output": lambda x, w: ((x @ w).clone(), x @ w),
+        "a view of it is an output": lambda x, w: (x @ w).clone().view(32),
+        "of an input": lambda x, w: (x.clone() * w[0]),
+        "an expanded value made contiguous": lambda x, w: (w[0].expand(4, 8).contiguous() * x),
+        "a transposed value made contiguous": lambda x, w: ((x @ w).t().contiguous() * 2),
+        "a graph that writes in place": lambda x, w: (x @ w).clone().mul_(2).add(w.add_(1)[0]),
+    }
+    for why, fn in cases.items():
+        gm = traced(fn, x, w)
+        before = _clones(gm)
+        assert before >= 1, why
+        assert drop_copies(gm.graph) == 0, why
+        assert _clones(gm) == before, why
+
+
+def test_a_copy_making_contiguous_what_already_is_is_removed():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    fn = lambda x, w: (x @ w).contiguous(memory_format=torch.contiguous_format).clone(  # noqa: E731
+        memory_format=torch.contiguous_format) * 2
+    gm = traced(fn, x, w)
+    assert _clones(gm) == 1 and drop_copies(gm.graph) == 1
+    gm.recompile()
+    torch.testing.assert_close(gm(x, w), fn(x, w), rtol=0, atol=0)
