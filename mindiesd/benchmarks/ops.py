@@ -5,12 +5,14 @@ One row per op x dtype x shape:
 * rms_norm, adalayernorm, fast_gelu, mul_add: x [2, 4096, 1024]
   (rms_norm weight [1024]; adalayernorm scale/shift [2, 1, 1024];
   mul_add x * y + z with y a gate [2, 1, 1024] and z a residual like x);
-* rope: x [1, 4096, 24, 128] (Flux layout), cos/sin float32 [1, 4096, 1, 128].
+* rope: x [1, 4096, 24, 128] (Flux layout), cos/sin float32 [1, 4096, 1, 128];
+* glu: a projection's output x [2, 4096, 2048] split in two halves, ``first * silu(second)`` (SwiGLU).
 
 With ``--variants`` (implied by ``--quick``) also the other forms the passes match, one row each, named
 ``op:form``: adalayernorm with 1-D scale/shift [1024], interleaved rope with general full-width tables (not one
-value per pair), half-rotated rope (``rotate_half``), fast_gelu against the written-out tanh formula, and mul_add
-with y as large as x.
+value per pair), half-rotated rope (``rotate_half``), fast_gelu against the written-out tanh formula, mul_add
+with y as large as x, glu with the exact GELU (GEGLU), and glu of two projections ``silu(a) * b`` (LLaMA-style) and
+``gelu_tanh(a) * b``.
 
 Columns (milliseconds; per round, the median of ``--reps`` interleaved calls
 of all candidates, in one process, timed by ``benchmarks.timing``, the loop the
@@ -75,7 +77,7 @@ TUNABLES = (
     "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184:"
     "glibc.malloc.top_pad=268435456"
 )
-OP_NAMES = ("rms_norm", "adalayernorm", "rope", "fast_gelu", "mul_add")
+OP_NAMES = ("rms_norm", "adalayernorm", "rope", "glu", "fast_gelu", "mul_add")
 WARMUP = 2  # untimed calls of every candidate before the first round
 
 
@@ -116,6 +118,28 @@ def eager_fast_gelu(x):
 def eager_gelu_formula(x):
     """tanh-GELU written out, as some model code does."""
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+def eager_swiglu(x):
+    """diffusers' SwiGLU after its projection: the second half is the gate."""
+    value, gate = x.chunk(2, dim=-1)
+    return value * F.silu(gate)
+
+
+def eager_geglu(x):
+    """diffusers' GEGLU after its projection (exact GELU)."""
+    value, gate = x.chunk(2, dim=-1)
+    return value * F.gelu(gate)
+
+
+def eager_silu_gated(a, b):
+    """LLaMA-style ``silu(w1(x)) * w3(x)`` after the projections."""
+    return F.silu(a) * b
+
+
+def eager_gelu_tanh_gated(a, b):
+    """PRX's ``gelu_tanh(gate_proj(x)) * up_proj(x)`` after the projections."""
+    return F.gelu(a, approximate="tanh") * b
 
 
 def eager_mul_add(x, y, z):
@@ -173,6 +197,18 @@ def build_cases(dtype: torch.dtype, names: List[str], variants: bool = False, de
                                   eager_rope_rotate_half,
                                   lambda x, c, s: ops.rope.default(x, c, s, False, x.dtype),
                                   (x, cos_half, sin_half), x))
+        elif name == "glu":
+            x = randn(2, 4096, 2048)
+            cases.append(Case(name, "x[2,4096,2048] halves", eager_swiglu,
+                              lambda x: ops.glu.default(x, None, "silu", False), (x,), x))
+            if variants:
+                cases.append(Case(f"{name}:gelu", "x[2,4096,2048] halves", eager_geglu,
+                                  lambda x: ops.glu.default(x, None, "gelu", False), (x,), x))
+                a, b = randn(2, 4096, 1024), randn(2, 4096, 1024)
+                cases.append(Case(f"{name}:two_tensors", "a,b[2,4096,1024]", eager_silu_gated,
+                                  lambda a, b: ops.glu.default(a, b, "silu", True), (a, b), a))
+                cases.append(Case(f"{name}:gelu_tanh", "a,b[2,4096,1024]", eager_gelu_tanh_gated,
+                                  lambda a, b: ops.glu.default(a, b, "gelu_tanh", True), (a, b), a))
         elif name == "fast_gelu":
             x = randn(2, 4096, 1024)
             kernel = lambda x: ops.fast_gelu.default(x)  # noqa: E731
@@ -217,7 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the options of ``bench ops`` on ``parser``."""
     parser.add_argument("--dtype", default=None, help="comma list of fp32, bf16, fp16 (default: fp32,bf16; "
                                                      "--quick: fp32)")
-    parser.add_argument("--ops", default=",".join(OP_NAMES), help="comma list of ops (default: all five)")
+    parser.add_argument("--ops", default=",".join(OP_NAMES), help="comma list of ops (default: all)")
     parser.add_argument("--reps", type=positive_int, default=20, help="interleaved calls per round (default: 20)")
     parser.add_argument("--rounds", type=positive_int, default=None,
                         help="timing rounds per row; the least disturbed one is reported (default: 3; --quick: 1)")
@@ -227,7 +263,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-inductor", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--variants", action="store_true",
                         help="also the other forms the passes match (adaLN with 1-D modulation, rope with general "
-                             "tables and rotate_half, the written-out GELU formula, mul_add with a full y)")
+                             "tables and rotate_half, the written-out GELU formula, mul_add with a full y, glu with "
+                             "the exact GELU and of two tensors)")
     parser.add_argument("--quick", action="store_true",
                         help="fp32, no Inductor, one round, with the variants (--dtype, --rounds and --max-rounds "
                              "still apply)")

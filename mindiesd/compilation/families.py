@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import ADALAYERNORM, FAST_GELU, LINEAR_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..ops.defs import ADALAYERNORM, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, RMS_NORM, ROPE
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
            "GEMM_FAMILIES", "OP_FAMILIES"]
@@ -47,7 +47,8 @@ class FusionFamily:
     #: The op the pass emits; None for a rewrite that emits aten ops only.
     op: Optional[registry.OpDef]
     stage: str = "fusion"
-    #: ``elementwise`` (the specification's five families) or ``gemm`` (rewrites around the matrix products).
+    #: ``elementwise`` (the ops that replace elementwise and row sequences: the specification's five families and
+    #: glu) or ``gemm`` (rewrites around the matrix products).
     group: str = "elementwise"
     #: For a family without an op: device type -> whether the rewrite gains there.
     rewrites: Mapping[str, Rewrite] = field(default_factory=dict)
@@ -84,8 +85,9 @@ class FusionFamily:
 #: Family name -> declaration, in the order the passes run. The ``freeze`` stage runs first (before the graph
 #: is split into fold and main graphs), then the ``fusion`` stage in this order. Order matters where forms
 #: overlap: RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
-#: sums apart; rms_norm runs first since its output feeds RoPE; linear_gelu runs before fast_gelu, which
-#: would otherwise take the GELU away from its matmul.
+#: sums apart; rms_norm runs first since its output feeds RoPE; glu runs before linear_gelu and fast_gelu, which
+#: would otherwise take the gate's GELU out of its gated product; linear_gelu runs before fast_gelu, which would
+#: otherwise take the GELU away from its matmul.
 FAMILIES: Dict[str, FusionFamily] = {
     f.name: f
     for f in (
@@ -122,6 +124,12 @@ FAMILIES: Dict[str, FusionFamily] = {
             op=ADALAYERNORM,
         ),
         FusionFamily(
+            name="glu",
+            doc="Fuse gated activations act(gate) * value (SiLU, GELU or tanh-GELU): SwiGLU/GEGLU halves of one "
+                "projection, or two projections as in LLaMA-style feed-forwards.",
+            op=GLU,
+        ),
+        FusionFamily(
             name="linear_gelu",
             doc="Fuse a linear layer followed by tanh-GELU into one matmul with a GELU epilogue.",
             op=LINEAR_GELU,
@@ -141,7 +149,7 @@ FAMILIES: Dict[str, FusionFamily] = {
 }
 
 
-#: The specification's families (``fusion_patterns.enable_*`` of the spec), in run order.
+#: The elementwise families (the specification's ``fusion_patterns.enable_*`` and glu), in run order.
 SPEC_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "elementwise")
 #: The rewrites around matrix products, in run order.
 GEMM_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "gemm")

@@ -7,6 +7,8 @@ them. The rule, the one eager's sequences follow (elementwise ops follow their i
 * ``rms_norm``, ``rope``, ``fast_gelu``: the layout of ``torch.empty_like(x)``: x's strides when x is dense
   (a transposed or permuted view, channels-last), else dense strides in x's dimension order (a slice);
 * ``adalayernorm``: contiguous, as ``layer_norm``'s output is;
+* ``glu``: the layout of ``torch.empty_like(first)``, ``first`` being x, or x's first half along the last dim
+  when the op takes x alone (dense strides in x's dimension order): that of eager's ``first * act(second)``;
 * ``linear_gelu``: contiguous, as a linear layer's output is (``x.shape[:-1] + (weight.shape[0],)``);
 * ``mul_add``: the layout eager's ``x * y + z`` gives (TensorIterator's rule, applied twice), or that of
   ``z + x * y`` with ``addend_first`` (the operand order decides between layouts that differ).
@@ -28,8 +30,9 @@ __all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "restride", "c
 #: The output layout rules: ``like_x`` follows ``torch.empty_like(x)``; ``contiguous`` is dense row-major;
 #: ``broadcast`` is the layout eager's ``x * y + z`` gives over the broadcast operands (or ``z + x * y``'s when
 #: the op's argument 3, ``addend_first``, is set); ``gemm`` is the dense row-major
-#: ``x.shape[:-1] + (weight.shape[0],)`` of a linear layer (argument 1 is the weight).
-LAYOUTS = ("like_x", "contiguous", "broadcast", "gemm")
+#: ``x.shape[:-1] + (weight.shape[0],)`` of a linear layer (argument 1 is the weight); ``gated`` is ``like_x`` of
+#: x's first half along the last dim when argument 1 is None (glu of one tensor), else ``like_x``.
+LAYOUTS = ("like_x", "contiguous", "broadcast", "gemm", "gated")
 
 #: Ops that work along the last dimension: a permutation may move every dimension but that one.
 ROW_OPS: set = globals().get("ROW_OPS", set())
@@ -75,6 +78,17 @@ def _mul_add_layout(x: tuple, y: tuple, z: tuple, addend_first: bool) -> tuple:
     return tuple(out.shape), out.stride()
 
 
+@functools.lru_cache(maxsize=1024)
+def _first_half_layout(shape: tuple, strides: tuple) -> tuple:
+    half = _meta(shape, strides)[..., : shape[-1] // 2]
+    return tuple(half.shape), torch.empty_like(half).stride()
+
+
+def _halves(args: Sequence) -> bool:
+    """Whether a ``gated`` op takes x alone (its two halves) rather than x and y."""
+    return len(args) < 2 or args[1] is None
+
+
 def _addend_first(args: Sequence) -> bool:
     return bool(args[3]) if len(args) > 3 else False
 
@@ -99,6 +113,8 @@ def output_layout(op: str, args: Sequence) -> tuple:
         except RuntimeError:
             _CHECKS[op](args[0], args[1], args[2])  # raises the op's own error, naming the shapes
             raise
+    if layout == "gated" and _halves(args):
+        return _first_half_layout(*_key(args[0]))
     if layout in ("contiguous", "gemm"):
         shape = tuple(args[0].shape) if layout == "contiguous" else _gemm_shape(args[0], args[1])
         return shape, contiguous_strides(shape)
@@ -124,6 +140,8 @@ def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return x.new_empty(x.shape, dtype=dtype)
     if layout == "gemm":
         return x.new_empty(_gemm_shape(x, args[1]), dtype=dtype)
+    if layout == "gated" and _halves(args):
+        return torch.empty_like(x[..., : x.shape[-1] // 2], dtype=dtype)
     return torch.empty_like(x, dtype=dtype)
 
 

@@ -130,6 +130,7 @@ def expected_flux(model):
             modules_named(model, "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous")
         )
         + 2 * len(double),
+        "glu": 0,  # tanh-GELU feed-forwards, no gated activation
         "fast_gelu": tanh_gelus(model),
         # double block: gated residuals of attention and MLP for image and text; single block: one gated residual
         "mul_add": 4 * len(double) + len(single),
@@ -147,6 +148,7 @@ def expected_sd3(model):
         "adalayernorm": len(modules_named(model, "AdaLayerNormZero", "AdaLayerNormContinuous"))
         + len(blocks)
         + len(full),
+        "glu": 0,  # tanh-GELU feed-forwards, no gated activation
         "fast_gelu": tanh_gelus(model),
         # gated residuals: attention and MLP of the image stream, and of the text stream where it continues
         "mul_add": 2 * len(blocks) + 2 * len(full),
@@ -160,6 +162,7 @@ def expected_wan(model):
         "rope": 2 * len(blocks),  # q and k of the self-attention (attn1)
         # norm1 and norm3 are modulated in every block, plus the final norm_out modulation
         "adalayernorm": 2 * len(blocks) + 1,
+        "glu": 0,  # tanh-GELU feed-forwards, no gated activation
         "fast_gelu": tanh_gelus(model),
         "mul_add": 2 * len(blocks),  # gated residuals of self-attention and FFN
     }

@@ -247,6 +247,7 @@ def expected_qwen_image(model):
         "rope": 4 * n,  # image q, k and text q, k of every block (complex form)
         # img_norm1, img_norm2 and txt_norm1 of every block, txt_norm2 but in the last, the norm_out module
         "adalayernorm": 3 * n + (n - 1) + len(modules_named(model, "AdaLayerNormContinuous")),
+        "glu": 0,  # the MLPs are tanh-GELU FeedForwards
         "fast_gelu": n + (n - 1),  # img_mlp of every block, txt_mlp but in the last
         "mul_add": 2 * n + 2 * (n - 1),  # gated residuals: image attention and MLP; text where alive
     }
@@ -265,6 +266,7 @@ def expected_hunyuan_video(model):
             modules_named(model, "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous")
         )
         + 2 * double,
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ff and ff_context per double block, act_mlp per single block
         # gated residuals: 4 per double block, 1 per single block, and the two `x + out * gate` per refiner block
         "mul_add": 4 * double + single + 2 * refiner,
@@ -279,6 +281,7 @@ def expected_cogvideox(model):
         # CogVideoXLayerNormZero norm1 and norm2 each modulate the image and the text stream, plus the AdaLayerNorm
         # norm_out: `norm(x) * (1 + scale) + shift`
         "adalayernorm": 4 * n + 1,
+        "glu": 0,  # tanh-GELU feed-forward
         "fast_gelu": tanh_gelus(model),  # one FeedForward per block (on the concatenated streams)
         # gated residuals of attention and FF for both streams; the last block's text FF residual is dead code
         "mul_add": 4 * n - 1,
@@ -294,6 +297,7 @@ def expected_ltx_video(model):
         "rms_norm": rms_norms(model),
         "rope": 2 * n,  # q and k of attn1, rotated across heads (interleaved)
         "adalayernorm": 1,  # norm_out: LayerNorm without affine, modulated by scale_shift_table + temb
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ff of every block and the caption projection
         "mul_add": 2 * n,  # gated residuals of attn1 and ff; the attn2 residual is a plain add
     }
@@ -305,6 +309,8 @@ def expected_sana(model):
         "rms_norm": rms_norms(model),  # caption_norm, and norm_q/k of attn1 and attn2 (rms_norm_across_heads)
         "rope": 0,
         "adalayernorm": 2 * n + len(modules_named(model, "SanaModulatedNorm")),  # norm1, norm2 per block; norm_out
+        # `x * silu(gate)` of GLUMBConv: halves split along channels, fused as two tensors
+        "glu": len(modules_named(model, "GLUMBConv")),
         "fast_gelu": tanh_gelus(model),  # the caption projection (the blocks use GLUMBConv with SiLU)
         "mul_add": 2 * n,  # gated residuals of attn1 and ff; the cross-attention residual is a plain add
     }
@@ -319,6 +325,8 @@ def expected_lumina2(model):
         "rope": 2 * len(blocks),  # q and k of every block (complex form, float64 tables)
         # LuminaLayerNormContinuous norm_out: `layer_norm(x) * (1 + scale)` (adaLN without shift)
         "adalayernorm": len(modules_named(model, "LuminaLayerNormContinuous")),
+        # `silu(linear_1(x)) * linear_3(x)`, SiLU in fp32 (FP32SiLU)
+        "glu": len(modules_named(model, "LuminaFeedForward")),
         "fast_gelu": 0,  # SwiGLU feed-forward
         "mul_add": 2 * len(modulated),  # `x + tanh(gate) * norm(out)` for attention and FFN of modulated blocks
     }
@@ -330,6 +338,7 @@ def expected_pixart(model):
         "rms_norm": 0,
         "rope": 0,
         "adalayernorm": 2 * n + 1,  # ada_norm_single norm1 and norm2 of every block, and norm_out
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ff of every block and the caption projection
         "mul_add": 2 * n,  # gated residuals of attn1 and ff; the cross-attention residual is a plain add
     }
@@ -342,6 +351,9 @@ def expected_hidream(model):
         "rope": 2 * (double + single),  # q and k in every block (2x2 rotation-matrix form)
         # norm1_i, norm1_t, norm3_i, norm3_t per double block, norm1_i, norm3_i per single block, final_layer
         "adalayernorm": 4 * double + 2 * single + 1,
+        # `silu(w1(x)) * w3(x)`: ff_i, ff_t, and in MoE layers the shared and every routed expert (at the registry's
+        # inputs every expert receives tokens; one without tokens is not called)
+        "glu": len(modules_named(model, "HiDreamImageFeedForwardSwiGLU")),
         "fast_gelu": 0,  # SwiGLU experts
         "mul_add": 4 * double + 2 * single,  # gated residuals
     }
@@ -355,6 +367,7 @@ def expected_cogview4(model):
         "rope": 2 * n,  # q and k of the image tokens, half-rotated, written back in place
         # image norm1, norm2 and text norm1 of every block, text norm2 but in the last, CogView4 norm_out
         "adalayernorm": 3 * n + (n - 1) + 1,
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": n + (n - 1),  # `self.ff` runs on the image stream, and on the text stream where alive
         "mul_add": 2 * n + 2 * (n - 1),  # gated residuals of attention and FF, text ones where alive
     }
@@ -368,6 +381,7 @@ def expected_auraflow(model):
         # AdaLayerNormZero (image and text) and the inline norm2 modulations per joint block, AdaLayerNormZero and
         # its norm2 modulation per single block
         "adalayernorm": len(modules_named(model, "AdaLayerNormZero")) + 2 * joint + single,
+        "glu": len(modules_named(model, "AuraFlowFeedForward")),  # `silu(linear_1(x)) * linear_2(x)`
         "fast_gelu": 0,  # SwiGLU feed-forward
         # gated residuals (attention and FF of both streams per joint block, two per single block) and the
         # AuraFlowPreFinalBlock `x * (1 + scale) + shift`, which has no norm
@@ -389,6 +403,7 @@ def expected_chroma(model):
             )
         )
         + 2 * double,  # the pruned adaLN modules, and the two inline norm2 modulations per double block
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),
         "mul_add": 4 * double + single,  # gated residuals
     }
@@ -400,6 +415,7 @@ def expected_skyreels_v2(model):
         "rms_norm": rms_norms(model),  # norm_q and norm_k of attn1 and attn2
         "rope": 2 * n,  # q and k of attn1 (Wan's strided form)
         "adalayernorm": 2 * n + 1,  # norm1 and norm3 of every block, and the final norm_out modulation
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ffn of every block and the text embedder
         "mul_add": 2 * n,  # gated residuals of attn1 and ffn
     }
@@ -412,6 +428,8 @@ def expected_flux2(model):
         "rope": 2 * (double + single),
         # inline `(1 + scale) * norm(x) + shift`: 4 per double block, 1 per single block; the norm_out module
         "adalayernorm": 4 * double + single + len(modules_named(model, "AdaLayerNormContinuous")),
+        # `silu(x[..., :h]) * x[..., h:]`: ff, ff_context, and the single blocks' MLP
+        "glu": len(modules_named(model, "Flux2SwiGLU")),
         "fast_gelu": 0,  # SwiGLU feed-forward
         "mul_add": 4 * double + single,  # gated residuals
     }
@@ -423,6 +441,7 @@ def expected_omnigen(model):
         "rms_norm": rms_norms(model),  # input_layernorm and post_attention_layernorm per block, the final norm
         "rope": 2 * n,  # q and k of every block (half-rotated, use_real_unbind_dim=-2)
         "adalayernorm": len(modules_named(model, "AdaLayerNorm")),  # norm_out: LayerNorm without affine, chunk_dim=1
+        "glu": len(modules_named(model, "OmniGenFeedForward")),  # `up * silu(gate)` of `gate_up_proj(x).chunk(2, -1)`
         "fast_gelu": 0,  # SiLU-gated feed-forward
         "mul_add": 0,  # the blocks are unmodulated: plain residual adds
     }
@@ -435,7 +454,9 @@ def expected_prx(model):
         "rope": 2 * n,  # image q and k of every block (a 2x2 matrix per pair)
         # `(1 + scale) * norm(x) + shift`: img_pre_norm and post_attention_layernorm per block, the FinalLayer's
         "adalayernorm": 2 * n + len(modules_named(model, "FinalLayer")),
-        "fast_gelu": tanh_gelus(model),  # mlp_act of every block (gated MLP)
+        # `mlp_act(gate_proj(x)) * up_proj(x)`, tanh-GELU, of every block
+        "glu": len(modules_named(model, "PRXBlock")),
+        "fast_gelu": 0,  # mlp_act of every block is the gate's GELU, fused into glu
         "mul_add": 2 * n,  # gated residuals of attention and MLP
     }
 
@@ -447,6 +468,7 @@ def expected_anyflow(model):
         "rope": 2 * n,  # q and k of attn1 (complex form, float64 table)
         # fp32 norm1 and norm3 of every block with per-token modulation, and norm_out; norm2 is affine, unmodulated
         "adalayernorm": 2 * n + 1,
+        "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ffn of every block and the text embedder
         # gated residuals of attn1 and ffn (the cross-attention residual is a plain add), and the condition
         # embedder's timestep mix `(1 - gate) * temb + gate * delta_emb`

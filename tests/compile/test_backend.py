@@ -29,6 +29,7 @@ class AllFamilies(torch.nn.Module):
         super().__init__()
         self.norm = torch.nn.RMSNorm(d, eps=1e-6)
         self.ln = torch.nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.up = torch.nn.Linear(d, 2 * d)
         self.proj = torch.nn.Linear(d, d)
         with torch.no_grad():
             self.norm.weight.normal_()
@@ -38,6 +39,8 @@ class AllFamilies(torch.nn.Module):
         x_even, x_odd = h.unflatten(-1, (-1, 2)).unbind(-1)
         h = h * cos + torch.stack([-x_odd, x_even], -1).flatten(-2) * sin
         h = self.ln(h) * (1 + scale) + shift
+        value, gate_half = self.up(h).chunk(2, dim=-1)
+        h = value * F.silu(gate_half)
         h = F.gelu(self.proj(h), approximate="tanh")
         return x + gate * h
 
@@ -62,7 +65,7 @@ def test_every_family_fires_once():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_switch_removes_exactly_its_family(family):
     switch = {"rms_norm": "enable_rms_norm", "rope": "enable_rope", "adalayernorm": "enable_adalayernorm",
-              "fast_gelu": "enable_fast_gelu", "mul_add": "enable_mul_add"}[family]
+              "glu": "enable_glu", "fast_gelu": "enable_fast_gelu", "mul_add": "enable_mul_add"}[family]
     setattr(CompilationConfig.fusion_patterns, switch, False)
     out, ref, counts, _ = run_compiled(AllFamilies(), *all_families_inputs())
     expected = {f: (0 if f == family else 1) for f in FAMILIES}
@@ -75,7 +78,8 @@ def test_each_switch_removes_exactly_its_family(family):
 
 
 def test_all_switches_off_gives_no_fused_op():
-    for name in ("enable_rms_norm", "enable_rope", "enable_adalayernorm", "enable_fast_gelu", "enable_mul_add"):
+    for name in ("enable_rms_norm", "enable_rope", "enable_adalayernorm", "enable_glu", "enable_fast_gelu",
+                 "enable_mul_add"):
         setattr(CompilationConfig.fusion_patterns, name, False)
     out, ref, counts, backend = run_compiled(AllFamilies(), *all_families_inputs())
     assert counts == {f: 0 for f in FAMILIES}
@@ -249,8 +253,9 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     """README: with gradients on, the forward is fused where every value the backward needs is kept; no freezing.
 
     The backward always needs the mean and rstd of adaLN's `native_layer_norm`, which the adalayernorm op would
-    remove: that site stays unfused and its `norm * (1 + scale) + shift` goes to mul_add (beside the gate). When
-    the input needs a gradient too, RMSNorm's `rsqrt` is saved for it, so that site stays unfused as well.
+    remove: that site stays unfused and its `norm * (1 + scale) + shift` goes to mul_add (beside the gate). The
+    backward of the gated activation needs `silu(gate)`, so glu stays unfused too. When the input needs a gradient
+    too, RMSNorm's `rsqrt` is saved for it, so that site stays unfused as well.
     """
     model = AllFamilies()
     x, *rest = all_families_inputs()
@@ -266,7 +271,8 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     ref = model(x_eager, *rest)
     ref.square().sum().backward()
 
-    expected = {"rms_norm": 0 if input_grad else 1, "rope": 1, "adalayernorm": 0, "fast_gelu": 1, "mul_add": 2}
+    expected = {"rms_norm": 0 if input_grad else 1, "rope": 1, "adalayernorm": 0, "glu": 0, "fast_gelu": 1,
+                "mul_add": 2}
     assert count_fused(backend) == expected
     assert spec_counts(backend.report().matches) == expected
     assert backend.report().graphs == 1
@@ -274,7 +280,7 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     assert backend.report().records[0].folded_constants == 0, "freezing is off with gradients enabled"
     assert out.requires_grad
     assert_close(out.detach(), ref.detach())
-    assert set(grads) == {"norm.weight", "proj.weight", "proj.bias"}
+    assert set(grads) == {"norm.weight", "up.weight", "up.bias", "proj.weight", "proj.bias"}
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     if input_grad:

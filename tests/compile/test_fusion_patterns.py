@@ -356,3 +356,190 @@ def test_mul_add_with_a_scalar_or_reused_product_is_left_alone():
     out, ref, counts, _ = run_compiled(fn, x, z)
     assert counts["mul_add"] == 0
     assert_close(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------- glu
+def _gated_ffn_counts(n=1):
+    return only("glu", n)
+
+
+def _rule_hits(backend):
+    """Rule name -> rewrites of the glu pass, read from the fused nodes of the final graphs."""
+    hits = {}
+    for gm in backend.graphs:
+        for node in gm.graph.nodes:
+            rule = node.meta.get("mindiesd_rule", "")
+            if rule.startswith("glu:"):
+                hits[rule.split(":", 1)[1]] = hits.get(rule.split(":", 1)[1], 0) + 1
+    return hits
+
+
+def _seeded(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module
+
+
+class LlamaFeedForward(torch.nn.Module):
+    """``w2(act(w1(x)) * w3(x))`` (HiDream, AuraFlow; PRX with tanh-GELU; Lumina2 with the SiLU in fp32)."""
+
+    def __init__(self, d=32, hidden=48, activation="silu", order="gate_first"):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(d, hidden, bias=False), torch.nn.Linear(d, hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, d, bias=False)
+        self.activation, self.order = activation, order
+
+    def act(self, t):
+        if self.activation == "silu":
+            return F.silu(t)
+        if self.activation == "fp32_silu":
+            return F.silu(t.float()).to(t.dtype)
+        if self.activation == "gelu":
+            return F.gelu(t)
+        return F.gelu(t, approximate="tanh")
+
+    def forward(self, x):
+        gate, value = self.act(self.w1(x)), self.w3(x)
+        return self.w2(gate * value if self.order == "gate_first" else value * gate)
+
+
+class SlicedSwiGLU(torch.nn.Module):
+    """Flux2's feed-forward: one projection, ``silu(x[..., :h]) * x[..., h:]``."""
+
+    def __init__(self, d=32, hidden=48):
+        super().__init__()
+        self.linear_in = torch.nn.Linear(d, 2 * hidden, bias=False)
+        self.linear_out = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        x = self.linear_in(x)
+        half = x.shape[-1] // 2
+        return self.linear_out(F.silu(x[..., :half]) * x[..., half:])
+
+
+class FusedProjectionMLP(torch.nn.Module):
+    """Flux2's single blocks: one projection for attention and MLP, split; the MLP part is gated by halves."""
+
+    def __init__(self, d=32, hidden=48):
+        super().__init__()
+        self.hidden = hidden
+        self.proj = torch.nn.Linear(d, 3 * d + 2 * hidden, bias=False)
+
+    def forward(self, x):
+        qkv, mlp = torch.split(self.proj(x), [3 * x.shape[-1], 2 * self.hidden], dim=-1)
+        gate, value = mlp.chunk(2, dim=-1)
+        return qkv.sum(-1, keepdim=True) + F.silu(gate) * value
+
+
+class OmniGenFeedForward(torch.nn.Module):
+    """``gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * silu(gate))``: the first half gated."""
+
+    def __init__(self, d=32, hidden=48):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(d, 2 * hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["geglu", "swiglu"])
+@pytest.mark.parametrize("shape", [(3, 32), (2, 7, 32)])
+def test_glu_diffusers_activations(dtype, activation, shape):
+    from diffusers.models.activations import GEGLU, SwiGLU
+
+    module = _seeded((GEGLU if activation == "geglu" else SwiGLU)(32, 48)).to(dtype)
+    out, ref, counts, backend = run_compiled(module, rand(*shape, dtype=dtype))
+    assert counts == _gated_ffn_counts(1)
+    assert _rule_hits(backend) == {"split_halves": 1}
+    assert out.shape == (*shape[:-1], 48)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation_fn", ["geglu", "swiglu"])
+def test_glu_diffusers_feed_forward(dtype, activation_fn):
+    from diffusers.models.attention import FeedForward
+
+    module = _seeded(FeedForward(32, activation_fn=activation_fn, inner_dim=64)).to(dtype).eval()
+    out, ref, counts, _ = run_compiled(module, rand(2, 5, 32, dtype=dtype))
+    assert counts == _gated_ffn_counts(1)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("module", ["sliced", "fused_projection", "omnigen"])
+def test_glu_halves_of_one_projection(dtype, module):
+    model = _seeded({"sliced": SlicedSwiGLU, "fused_projection": FusedProjectionMLP,
+                     "omnigen": OmniGenFeedForward}[module]()).to(dtype)
+    out, ref, counts, backend = run_compiled(model, rand(2, 6, 32, dtype=dtype))
+    assert counts == _gated_ffn_counts(1)
+    assert _rule_hits(backend) == {"slice_halves" if module == "sliced" else "split_halves": 1}
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "fp32_silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("order", ["gate_first", "value_first"])
+def test_glu_two_projections(dtype, activation, order):
+    model = _seeded(LlamaFeedForward(activation=activation, order=order)).to(dtype)
+    out, ref, counts, backend = run_compiled(model, rand(2, 6, 32, dtype=dtype))
+    assert counts == _gated_ffn_counts(1), "the gate's GELU goes into glu, not to fast_gelu"
+    assert _rule_hits(backend) == {"two_tensors": 1}
+    assert_close(out, ref)
+
+
+def test_glu_switch_off_leaves_it_unfused():
+    from mindiesd.compilation import CompilationConfig
+
+    config = CompilationConfig(fusion_patterns={"enable_glu": False})
+    for model, fused_instead in ((SlicedSwiGLU(), {}), (LlamaFeedForward(activation="gelu_tanh"), {"fast_gelu": 1})):
+        out, ref, counts, _ = run_compiled(_seeded(model), rand(2, 6, 32), config=config)
+        assert counts == {**only("glu", 0), **fused_instead}
+        assert_close(out, ref)
+
+
+def test_glu_forms_left_alone():
+    a, b = rand(2, 6, 32), rand(1, 6, 32, seed=1)
+    # a broadcast value
+    _, _, counts, _ = run_compiled(lambda a, b: F.silu(a) * b, a, b)
+    assert counts["glu"] == 0
+    # the activation is used elsewhere as well
+    def reused(a, b):
+        gate = F.silu(a)
+        return gate * b, gate.sum()
+
+    out, ref, counts, _ = run_compiled(reused, a, a.cos())
+    assert counts["glu"] == 0
+    assert_close(out, ref)
+    # an fp32 activation multiplied by a bf16 value promotes the product: eager rounds the value's way twice
+    low = rand(2, 6, 32, dtype=torch.bfloat16)
+    _, _, counts, _ = run_compiled(lambda a, b: F.silu(a.float()) * b, low, low.cos())
+    assert counts["glu"] == 0
+    # a sigmoid gate (F.glu) is another function
+    _, _, counts, _ = run_compiled(lambda x: F.glu(x, dim=-1), a)
+    assert counts["glu"] == 0
+    # unequal pieces of one projection: fused as two tensors only when they have one shape
+    x = rand(2, 6, 48)
+    out, ref, counts, _ = run_compiled(lambda x: F.silu(x[..., :16]) * x[..., 16:32] + x[..., 32:], x)
+    assert counts["glu"] == 1
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_halves_along_another_dim_fuse_as_two_tensors(dtype):
+    # Sana's GLUMBConv: `x, gate = chunk(2, dim=1)` of an NCHW tensor, `x * silu(gate)`
+    x = rand(2, 16, 4, 5, dtype=dtype)
+
+    def glumbconv(x):
+        value, gate = torch.chunk(x, 2, dim=1)
+        return value * F.silu(gate)
+
+    out, ref, counts, backend = run_compiled(glumbconv, x)
+    assert counts == _gated_ffn_counts(1)
+    assert _rule_hits(backend) == {"two_tensors": 1}
+    assert_close(out, ref)

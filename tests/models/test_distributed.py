@@ -174,7 +174,7 @@ class DiTBlock(torch.nn.Module):
     mul_add 1.
     """
 
-    EXPECTED = {"rms_norm": 2, "rope": 2, "adalayernorm": 1, "fast_gelu": 1, "mul_add": 1}
+    EXPECTED = {"rms_norm": 2, "rope": 2, "adalayernorm": 1, "glu": 0, "fast_gelu": 1, "mul_add": 1}
     #: The collectives of one context-parallel forward, in order (each followed by its wait): Ulysses exchanges
     #: q, k, v and the output, ring gathers K and V in one buffer; both gather the output.
     COLLECTIVES = {"ulysses": 4 * ["all_to_all_single"] + ["all_gather_into_tensor"],

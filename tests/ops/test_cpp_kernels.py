@@ -31,7 +31,7 @@ from op_checks import DTYPES, assert_matches, randn  # noqa: E402
 
 OPS = torch.ops.mindiesd
 WIDTHS = [40, 96, 1000]
-OP_NAMES = ["rms_norm", "rope", "adalayernorm", "fast_gelu", "mul_add"]
+OP_NAMES = ["rms_norm", "rope", "adalayernorm", "glu", "fast_gelu", "mul_add"]
 
 #: Why this process runs without the C++ kernels by request (``MINDIESD_CPP_KERNELS=0``), or None.
 DISABLED_REASON = (
@@ -285,6 +285,67 @@ def test_rope_matches_flux_formula(cpp, dtype):
     assert_matches(out, flux_rope(x, cos, sin), dtype)
     per_pair = OPS.rope.default(x, pairs_cos, pairs_sin, True, dtype)
     assert_matches(per_pair, flux_rope(x, cos, sin), dtype)
+
+
+# ----------------------------------------------------------------------------
+# glu
+# ----------------------------------------------------------------------------
+
+GLU_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rank", [2, 3, 4])
+@pytest.mark.parametrize("activation", sorted(GLU_ACTIVATIONS))
+def test_glu_of_halves(cpp, dtype, width, rank, activation):
+    x = randn(*leading_shape(rank), 2 * width, dtype=dtype) * 4
+    value, gate = x.float().chunk(2, dim=-1)
+    out = check(cpp, "glu", (x, None, activation, False), dtype)
+    assert_matches(out, value * GLU_ACTIVATIONS[activation](gate), dtype)
+    gate, value = x.float().chunk(2, dim=-1)
+    out = check(cpp, "glu", (x, None, activation, True), dtype)
+    assert_matches(out, GLU_ACTIVATIONS[activation](gate) * value, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", sorted(GLU_ACTIVATIONS))
+def test_glu_of_two_tensors(cpp, dtype, activation):
+    for shape in [(7, 33), (2, 5, 1000), (3, 1)]:
+        a, b = randn(*shape, dtype=dtype) * 4, randn(*shape, dtype=dtype, seed=1)
+        out = check(cpp, "glu", (a, b, activation, True), dtype)
+        assert_matches(out, GLU_ACTIVATIONS[activation](a.float()) * b.float(), dtype)
+        out = check(cpp, "glu", (a, b, activation, False), dtype)
+        assert_matches(out, a.float() * GLU_ACTIVATIONS[activation](b.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu_strided_inputs_and_extreme_values(cpp, dtype):
+    # the halves of a strided view (the MLP part of a fused projection), read in place, and large enough to run
+    # on several threads
+    projection = randn(4, 300, 3 * 96, dtype=dtype)
+    check(cpp, "glu", (projection[..., 96:], None, "silu", True), dtype)
+    check(cpp, "glu", (randn(2, 40, 5, dtype=dtype).transpose(1, 2), None, "gelu", False), dtype)
+    check(cpp, "glu", (randn(6, 100, dtype=dtype)[:, ::2], None, "gelu_tanh", False), dtype)  # last dim strided
+    a = randn(5, 192, dtype=dtype)[:, ::2]
+    b = randn(96, 5, dtype=dtype, seed=1).t()
+    check(cpp, "glu", (a, b, "silu", True), dtype)
+    edges = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5.0, -5.0, 12.0, -12.0, 60.0, -60.0, 100.0, -100.0, 1e4, -1e4])
+    for activation in GLU_ACTIVATIONS:
+        out = check(cpp, "glu", (edges.to(dtype), torch.full_like(edges, 3.0).to(dtype), activation, True), dtype)
+        assert torch.isfinite(out).all()
+
+
+def test_glu_forms_it_does_not_cover(cpp):
+    a, b = randn(4, 40, dtype=torch.bfloat16), randn(4, 40, seed=1)
+    check(cpp, "glu", (a, b, "silu", True), torch.bfloat16, covered=False)  # mixed dtypes: the composition
+    check(cpp, "glu", (randn(3, 40, dtype=torch.float64), None, "silu", False), torch.float64, covered=False)
+    assert cpp.glu(randn(3, 40), None, "relu", False) is None
+    assert check(cpp, "glu", (randn(3, 0), None, "silu", False), torch.float32).shape == (3, 0)
 
 
 # ----------------------------------------------------------------------------

@@ -70,6 +70,16 @@ CASES = {
         "per_channel": lambda dt: (randn(3, 48, dtype=dt), randn(48, dtype=dt, seed=1), randn(48, dtype=dt, seed=2),
                                    1e-5),
     },
+    "glu": {
+        # a projection's output split in halves, the second gated (diffusers' SwiGLU / GEGLU)
+        "halves_silu": lambda dt: (randn(2, 5, 64, dtype=dt), None, "silu", False),
+        "halves_gelu": lambda dt: (randn(2, 5, 64, dtype=dt), None, "gelu", False),
+        # the MLP part of a wider projection (Flux2's single blocks): x itself a strided view, the first half gated
+        "strided_halves_first": lambda dt: (randn(2, 5, 160, dtype=dt)[..., 48:144], None, "silu", True),
+        "heads_first_halves": lambda dt: (_heads_first(2, 6, 3, 34, dt), None, "gelu_tanh", False),
+        "two_tensors": lambda dt: (randn(3, 7, 33, dtype=dt), randn(3, 7, 33, dtype=dt, seed=1), "silu", True),
+        "two_tensors_tanh": lambda dt: (randn(3, 40, dtype=dt), randn(3, 40, dtype=dt, seed=1), "gelu_tanh", False),
+    },
     "fast_gelu": {
         "dense": lambda dt: (randn(3, 5, 40, dtype=dt),),
         "transposed": lambda dt: (randn(4, 6, 40, dtype=dt).transpose(0, 1),),

@@ -80,6 +80,13 @@ class StandInTorchNpu(types.ModuleType):
         result = r1.float() * values + r2.float() * rotate(values)
         return result.to(input.dtype)
 
+    def npu_swiglu(self, input, dim=-1):
+        """silu(A) * B of the first half A and the second half B of input along dim (contiguous input only)."""
+        self.calls.append(("npu_swiglu", (input,), {"dim": dim}))
+        assert input.is_contiguous() and input.numel() > 0 and 1 <= input.dim() <= 8
+        first, second = torch.chunk(input.float(), 2, dim=dim)
+        return (torch.nn.functional.silu(first) * second).to(input.dtype)
+
     def npu_fast_gelu(self, x):
         """x * sigmoid(1.702 x) -- not the tanh GELU."""
         self.calls.append(("npu_fast_gelu", (x,), {}))
@@ -338,6 +345,42 @@ def test_rope_interleaved_needs_the_rotary_mode_argument(install):
 def test_rotary_modes_without_soc_information(npu):
     del npu._C
     assert _npu.rotary_mul_modes() == frozenset()
+
+
+# ----------------------------------------------------------------------------
+# glu
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_glu_of_the_first_half_calls_npu_swiglu(npu, dtype):
+    x = randn(2, 5, 96, dtype=dtype) * 2
+    out = _npu.glu(x, None, "silu", True)
+    assert npu.names() == ["npu_swiglu"] and npu.calls[0][2] == {"dim": -1}
+    assert_reference(out, reference.glu(x, None, "silu", True))
+
+
+GLU_UNMAPPED = {
+    "second_half_gated": lambda: (randn(2, 5, 96), None, "silu", False),
+    "gelu": lambda: (randn(2, 5, 96), None, "gelu", True),
+    "gelu_tanh": lambda: (randn(2, 5, 96), None, "gelu_tanh", True),
+    "two_tensors": lambda: (randn(2, 5, 48), randn(2, 5, 48, seed=1), "silu", True),
+    "strided_halves": lambda: (randn(2, 5, 144)[..., :96], None, "silu", True),
+    "float64": lambda: (randn(2, 96, dtype=torch.float64), None, "silu", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GLU_UNMAPPED))
+def test_glu_other_forms_use_the_reference(npu, case):
+    args = GLU_UNMAPPED[case]()
+    out = _npu.glu(*args)
+    assert npu.calls == []
+    assert_reference(out, reference.glu(*args))
+
+
+def test_glu_is_declared_not_faster_on_npu():
+    declared = _npu.GLU.kernels["npu"]
+    assert declared.fast is False and "npu_swiglu" in declared.note
 
 
 # ----------------------------------------------------------------------------

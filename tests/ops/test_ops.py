@@ -57,6 +57,9 @@ OPCHECK_CASES = [
         lambda: (randn(2, 5, 24), randn(2, 1, 24, seed=1), randn(2, 1, 24, seed=2), 1e-6),
     ),
     ("adalayernorm", lambda: (randn(2, 5, 24), randn(24, seed=1), randn(24, seed=2), 1e-5, None)),
+    ("glu", lambda: (randn(2, 5, 24), None, "silu", False)),
+    ("glu", lambda: (randn(2, 5, 40)[..., 4:28], None, "gelu", True)),
+    ("glu", lambda: (randn(3, 17), randn(3, 17, seed=1), "gelu_tanh", True)),
     ("fast_gelu", lambda: (randn(4, 33),)),
     ("mul_add", lambda: (randn(2, 5, 24), randn(2, 1, 24, seed=1), randn(2, 5, 24, seed=2))),
     ("mul_add", lambda: (randn(5, 1), randn(24, seed=1), randn(1, seed=2))),
@@ -582,6 +585,8 @@ API_CASES = [
     ("rms_norm", lambda: (randn(2, 5, 24), randn(24, seed=1))),
     ("rope", lambda: (randn(2, 6, 3, 8), randn(6, 1, 4, seed=1), randn(6, 1, 4, seed=2))),
     ("adalayernorm", lambda: (randn(2, 5, 24), randn(2, 1, 24, seed=1), randn(2, 1, 24, seed=2))),
+    ("glu", lambda: (randn(2, 5, 24),)),
+    ("glu", lambda: (randn(3, 17), randn(3, 17, seed=1))),
     ("fast_gelu", lambda: (randn(4, 33),)),
     ("mul_add", lambda: (randn(2, 5, 24), randn(2, 1, 24, seed=1), randn(2, 5, 24, seed=2))),
 ]
@@ -610,6 +615,7 @@ def test_api_backward_through_reference(name, make_args):
         "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
         "rope": lambda x, c, s: rope_complex(x, c, s),
         "adalayernorm": lambda x, sc, sh: adalayernorm_eager(x, sc, sh, 1e-6),
+        "glu": lambda *t: (lambda a, b: a * F.silu(b))(*(t if len(t) == 2 else t[0].chunk(2, dim=-1))),
         "fast_gelu": lambda x: F.gelu(x, approximate="tanh"),
         "mul_add": lambda x, y, z: x * y + z,
     }[name]

@@ -218,6 +218,22 @@ class TestKernels:
         extremes = extremes.to(dtype)
         check("fast_gelu", extremes)
 
+    @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+    @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+    @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+    def test_glu(self, dtype, activation):
+        x = randn(3, 5, 2 * 500, dtype=dtype) * 4
+        check("glu", x, None, activation, False)
+        check("glu", x, None, activation, True)
+        # the halves of a strided view (the MLP part of a fused projection), read in place
+        check("glu", randn(2, 7, 3 * 48, dtype=dtype)[..., 48:], None, activation, True)
+        check("glu", randn(2, 40, 5, dtype=dtype).transpose(1, 2), None, activation, False)
+        a, b = randn(7, 33, dtype=dtype), randn(7, 33, dtype=dtype, seed=1)
+        check("glu", a, b, activation, True)
+        check("glu", a, b, activation, False)
+        edges = torch.tensor([-100.0, -30.0, -8.0, -1e-4, 0.0, 1e-4, 8.0, 30.0, 100.0], device=DEVICE).to(dtype)
+        check("glu", edges, torch.full_like(edges, 3.0), activation, True)
+
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_mul_add(self, dtype):
         x = randn(2, 5, 40, dtype=dtype)
@@ -248,6 +264,7 @@ class TestKernels:
         check("adalayernorm", randn(2, 0, 8), randn(8, seed=1), randn(8, seed=2), 1e-6)
         check("rope", randn(0, 3, 8), randn(8, seed=1), randn(8, seed=2), False)
         check("fast_gelu", randn(3, 0))
+        check("glu", randn(3, 0), None, "silu", False)
 
     def test_validation_is_shared_with_the_reference(self):
         with pytest.raises(ValueError, match="must be even"):

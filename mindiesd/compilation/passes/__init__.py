@@ -9,13 +9,14 @@ from ..families import FAMILIES
 from .adalayernorm import AdaLayerNormPass
 from .base import FusionPass, Rule
 from .fast_gelu import FastGeluPass
+from .glu import GluPass
 from .linear_gelu import LinearGeluPass
 from .merge_projections import MergeProjectionsPass
 from .mul_add import MulAddPass
 from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
-_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, AdaLayerNormPass,
+_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, AdaLayerNormPass, GluPass,
                                         LinearGeluPass, FastGeluPass, MulAddPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")

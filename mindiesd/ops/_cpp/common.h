@@ -1,9 +1,9 @@
 // Helpers shared by the single-pass CPU kernels (rms_norm.cpp, rope.cpp,
-// adalayernorm.cpp, fast_gelu.cpp, mul_add.cpp).
+// adalayernorm.cpp, glu.cpp, fast_gelu.cpp, mul_add.cpp).
 //
 // Every kernel reads its input once from memory and writes one contiguous
-// output.  The row kernels (rms_norm, adalayernorm, rope, and mul_add when
-// its operands share the output's last dim) walk the rows of the last dim
+// output.  The row kernels (rms_norm, adalayernorm, rope, glu, and mul_add
+// when its operands share the output's last dim) walk the rows of the last dim
 // with per-operand broadcast strides and keep a row in L1 between passes
 // (for_each_row); fast_gelu runs one flat loop over contiguous input.  Other
 // strides and broadcasts of fast_gelu and mul_add go through a
@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -268,6 +269,86 @@ inline float reduce_row(const T* p, int64_t width, const Add& add, const Visit& 
     acc1 = add(acc1, b);
   });
   return horizontal_sum((acc0 + acc1) + (acc2 + acc3));
+}
+
+// ---------------------------------------------------------------------------
+// Activations in float32 (fast_gelu.cpp, glu.cpp).
+// ---------------------------------------------------------------------------
+
+constexpr float kGeluCoefficient = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+// 0.5 x (1 + tanh(u)) == x / (1 + exp(-2u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+inline float gelu_tanh(float v) {
+  const float u = kGeluCoefficient * (v + kGeluCubic * v * v * v);
+  return v / (1.0f + std::exp(-2.0f * u));
+}
+
+// 1 / d for d >= 1: hardware estimate refined by one Newton step (about
+// 1 ulp), much cheaper than a vector division.
+inline fVec reciprocal(const fVec& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 estimate = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(estimate, _mm512_fnmadd_ps(d, estimate, _mm512_set1_ps(2.0f)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 estimate = _mm256_rcp_ps(d);
+  return _mm256_mul_ps(estimate, _mm256_fnmadd_ps(d, estimate, _mm256_set1_ps(2.0f)));
+#else
+  return fVec(1.0f) / d;
+#endif
+}
+
+// exp(t) for t in [-87, 88] (callers clamp), about 2 ulp: t = n ln2 + r with
+// |r| <= ln2 / 2, a degree-5 polynomial for exp(r), then a scale by 2^n.
+inline fVec exp_clamped(const fVec& t) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const fVec n = (t * fVec(1.44269504088896341f)).round();
+  const fVec r = at::vec::fmadd(n, fVec(-0.693147180559945309f), t);
+  fVec poly = at::vec::fmadd(r, fVec(0.00828929059f), fVec(0.0418978221f));
+  poly = at::vec::fmadd(poly, r, fVec(0.166676521f));
+  poly = at::vec::fmadd(poly, r, fVec(0.499991506f));
+  poly = at::vec::fmadd(poly, r, fVec(0.999999701f));
+  poly = at::vec::fmadd(poly, r, fVec(1.0f));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(poly, n);
+#else
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return poly * fVec(_mm256_castsi256_ps(exponent));
+#endif
+#else
+  return t.exp_u20();
+#endif
+}
+
+inline fVec gelu_tanh(const fVec& v) {
+  const fVec minus_two_k(-2.0f * kGeluCoefficient);
+  const fVec cubic(kGeluCubic);
+  const fVec one(1.0f);
+  // Clamped so that 1 + exp stays finite (there the result is below 1e-38 |v|)
+  // and 2^n stays normal (there it is v itself).
+  const fVec inner = at::vec::clamp(at::vec::fmadd(cubic * v, v * v, v) * minus_two_k, fVec(-87.0f), fVec(88.0f));
+  return v * reciprocal(one + exp_clamped(inner));
+}
+
+// silu(v) = v / (1 + exp(-v)); exp's argument clamped as in gelu_tanh.
+inline float silu(float v) {
+  return v / (1.0f + std::exp(-v));
+}
+
+inline fVec silu(const fVec& v) {
+  const fVec inner = at::vec::clamp(fVec(0.0f) - v, fVec(-87.0f), fVec(88.0f));
+  return v * reciprocal(fVec(1.0f) + exp_clamped(inner));
+}
+
+// The exact GELU, 0.5 v (1 + erf(v / sqrt(2))), with ATen's vectorized erf (that of aten.gelu).
+constexpr float kSqrtHalf = 0.70710678118654752f;
+
+inline float gelu_erf(float v) {
+  return 0.5f * v * (1.0f + std::erf(v * kSqrtHalf));
+}
+
+inline fVec gelu_erf(const fVec& v) {
+  return fVec(0.5f) * v * (fVec(1.0f) + (v * fVec(kSqrtHalf)).erf());
 }
 
 // ---------------------------------------------------------------------------

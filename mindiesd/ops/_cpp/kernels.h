@@ -1,5 +1,5 @@
 // Entry points of the single-pass CPU kernels (one source per op: rms_norm.cpp,
-// adalayernorm.cpp, rope.cpp, fast_gelu.cpp, mul_add.cpp; the build and
+// adalayernorm.cpp, rope.cpp, glu.cpp, fast_gelu.cpp, mul_add.cpp; the build and
 // streaming settings in common.cpp; helpers shared by them in common.h).
 //
 // Each returns a new contiguous output, or std::nullopt when it does not
@@ -24,6 +24,8 @@ std::optional<at::Tensor> adalayernorm(
 std::optional<at::Tensor> rope(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
     at::ScalarType out_dtype);
+std::optional<at::Tensor> glu(
+    const at::Tensor& x, const std::optional<at::Tensor>& y, const std::string& activation, bool gate_first);
 std::optional<at::Tensor> fast_gelu(const at::Tensor& x);
 std::optional<at::Tensor> mul_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z);
 

@@ -3,8 +3,9 @@
 from .rms_norm import RMS_NORM
 from .rope import ROPE
 from .adalayernorm import ADALAYERNORM
+from .glu import GLU
 from .linear_gelu import LINEAR_GELU
 from .fast_gelu import FAST_GELU
 from .mul_add import MUL_ADD
 
-__all__ = ["RMS_NORM", "ROPE", "ADALAYERNORM", "LINEAR_GELU", "FAST_GELU", "MUL_ADD"]
+__all__ = ["RMS_NORM", "ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU", "FAST_GELU", "MUL_ADD"]

@@ -39,7 +39,7 @@ from .cpp_build import (  # noqa: F401  (the build's public names, as before the
     enabled,
     extension,
 )
-from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
@@ -96,6 +96,7 @@ def native(
 rms_norm = native(RMS_NORM, lambda t: (t.x, t.w, 1e-6))
 rope = native(ROPE, lambda t: (t.x, t.cos, t.sin, True))
 adalayernorm = native(ADALAYERNORM, lambda t: (t.x, t.scale, t.shift, 1e-6))
+glu = native(GLU, lambda t: (t.x, None, "gelu", True))
 fast_gelu = native(FAST_GELU, lambda t: (t.x,))
 # The composition kernel explains shapes that do not broadcast.
 mul_add = native(MUL_ADD, lambda t: (t.x, t.scale, t.w), fallible=(RuntimeError,))

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from .. import reference, registry
 from .._rules import REDUCED_FLOAT_DTYPES, promote
-from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
+from ..defs.glu import glu_rules, halves
 from ..defs.mul_add import mul_add_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
@@ -245,6 +246,25 @@ def adalayernorm(
     source = x if x.dtype == work_dtype else _working_copy(x, work_dtype)
     out = F.layer_norm(source, (width,), None, None, eps).contiguous()
     torch.addcmul(shift.to(work_dtype), out, scale.to(work_dtype).add(1), out=out)
+    return _finish(out, out_dtype)
+
+
+_ACTIVATIONS_OUT = {
+    "silu": lambda values, out: torch.ops.aten.silu.out(values, out=out),
+    "gelu": lambda values, out: torch.ops.aten.gelu.out(values, out=out),
+    "gelu_tanh": lambda values, out: torch.ops.aten.gelu.out(values, approximate="tanh", out=out),
+}
+
+
+@cpu_kernel(GLU)
+def glu(x: torch.Tensor, y: torch.Tensor | None, activation: str, gate_first: bool) -> torch.Tensor:
+    """The activation into one output buffer (in float32 for 16-bit inputs), then an in-place product."""
+    out_dtype, work_dtype = glu_rules(x, y, activation)
+    first, second = halves(x, y)
+    gate, value = (first, second) if gate_first else (second, first)
+    out = torch.empty(gate.shape, dtype=work_dtype, device=x.device)
+    _ACTIVATIONS_OUT[activation](gate if gate.dtype == work_dtype else gate.to(work_dtype), out)
+    out.mul_(value)
     return _finish(out, out_dtype)
 
 

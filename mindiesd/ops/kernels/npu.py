@@ -17,6 +17,14 @@ and the ops without such a kernel, run the reference composition.
   documented size limits, on Atlas A2/A3 (the other chips' older kernel has
   no interleave mode and narrower limits).  Per-pair tables are widened to
   full width first (a copy of the table, not of x).
+* glu: ``torch_npu.npu_swiglu(x, dim=-1)``, which computes ``silu(A) * B`` of
+  x's first half A and second half B (Atlas A2), so only for the form that
+  is the same function: one contiguous x (its documented limit, 1 to 8
+  dims, not empty), silu, the first half activated (Flux2's form).  The
+  other forms (the second half activated as in diffusers' SwiGLU, two
+  projections, GELU) run the reference, so the family is declared not
+  faster than eager there (and is unmeasured); forced on, the mapped form
+  still runs npu_swiglu.
 * fast_gelu: reference.  ``torch_npu.npu_fast_gelu`` computes
   x * sigmoid(1.702 x), a different function from the tanh GELU this op is,
   and some torch_npu versions run ``F.gelu(x, approximate="tanh")`` as
@@ -35,11 +43,12 @@ import torch
 
 from .. import reference, registry
 from .._rules import promote
-from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
+from ..defs.glu import glu_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
+__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "mul_add", "register", "rms_norm", "rope", "swiglu_covers"]
 
 DEVICE_TYPE = "npu"
 
@@ -54,6 +63,8 @@ def _npu_kernel(op: registry.OpDef, note: str, fast: bool = True):
 NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Ranks of x that npu_rms_norm accepts.
 RMS_NORM_RANKS = range(2, 9)
+# Ranks of x that npu_swiglu accepts.
+SWIGLU_RANKS = range(1, 9)
 # npu_rotary_mul limits on Atlas A2/A3: D below this, and B, N (half) or
 # B * N (interleave) below ROTARY_BATCH_HEADS_LIMIT.
 ROTARY_MAX_WIDTH = 896
@@ -248,6 +259,30 @@ def rope(x, cos, sin, interleaved, out_dtype=None):
     else:
         result = npu_rotary_mul(x, r1, r2, rotary_mode=mode)
     return _finish(result, out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# glu
+# ----------------------------------------------------------------------------
+
+
+def swiglu_covers(x: torch.Tensor, y: torch.Tensor | None, activation: str, gate_first: bool) -> bool:
+    """Whether ``npu_swiglu(x, dim=-1)`` computes this glu: silu of x's first half times its second half, for a
+    contiguous, non-empty x of 1 to 8 dims in a dtype the kernel takes."""
+    return (
+        y is None and activation == "silu" and gate_first and x.dtype in NPU_FLOAT_DTYPES
+        and x.dim() in SWIGLU_RANKS and x.numel() > 0 and x.is_contiguous()
+    )
+
+
+@_npu_kernel(GLU, "npu_swiglu covers only silu of the first half of one contiguous tensor: "
+                  "the other forms run the reference composition (not measured)", fast=False)
+def glu(x, y, activation, gate_first):
+    """npu_swiglu where it computes this function, else the reference."""
+    glu_rules(x, y, activation)
+    if not swiglu_covers(x, y, activation, gate_first):
+        return reference.glu(x, y, activation, gate_first)
+    return _finish(_torch_npu().npu_swiglu(x, dim=-1), x.dtype)
 
 
 # ----------------------------------------------------------------------------

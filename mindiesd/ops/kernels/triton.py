@@ -25,14 +25,15 @@ import triton.language as tl
 
 from .. import reference, registry
 from . import gemm
-from ..defs import ADALAYERNORM, FAST_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
+from ..defs.glu import glu_rules, halves
 from ..defs.mul_add import mul_add_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "mul_add", "register", "rms_norm", "rope"]
+__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "mul_add", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "cuda"
 
@@ -263,6 +264,31 @@ def _fast_gelu_kernel(
 
 
 @triton.jit
+def _activate(x, ACTIVATION: tl.constexpr):
+    """silu (0), the exact GELU (1) or the tanh GELU (2) of x."""
+    if ACTIVATION == 0:
+        return x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == 1:
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    else:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x / (1.0 + tl.exp(-2.0 * inner))
+
+
+@triton.jit
+def _glu_kernel(
+    dims, gate_ptr, gate_strides, value_ptr, value_strides, out_ptr, numel,
+    ACTIVATION: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """act(gate) * value; gate and value are read through their strides (halves of one tensor, in place)."""
+    index, mask = _program_block(numel, BLOCK)
+    coords = _unravel(index, dims)
+    gate = _load(gate_ptr + _offset(coords, gate_strides), mask, COMPUTE)
+    value = _load(value_ptr + _offset(coords, value_strides), mask, COMPUTE)
+    _store(out_ptr, index, _activate(gate, ACTIVATION) * value, mask)
+
+
+@triton.jit
 def _mul_add_kernel(
     dims, x_ptr, x_strides, y_ptr, y_strides, z_ptr, z_strides, out_ptr, numel,
     COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
@@ -471,6 +497,29 @@ def _launch_elementwise(kernel, out, compute, *operands):
         *_strided_args(out.shape, operands), out, numel,
         COMPUTE=compute, BLOCK=ELEMENTWISE_BLOCK, num_warps=4,
     )
+
+
+#: glu's activation argument -> the ACTIVATION of ``_activate``.
+_ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+def _launch_glu(out, compute, gate, value, activation):
+    """Launch the glu kernel over ``out``, ELEMENTWISE_BLOCK elements a program."""
+    numel = out.numel()
+    _glu_kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
+        *_strided_args(out.shape, [gate, value]), out, numel,
+        ACTIVATION=_ACTIVATION_CODES[activation], COMPUTE=compute, BLOCK=ELEMENTWISE_BLOCK, num_warps=4,
+    )
+
+
+@_triton_kernel(GLU)
+def glu(x, y, activation, gate_first):
+    """act(gate) * value, the halves of x read in place through their strides (or x and y)."""
+    out_dtype, work_dtype = glu_rules(x, y, activation)
+    first, second = halves(x, y)
+    gate, value = (first, second) if gate_first else (second, first)
+    fallback = partial(reference.glu, x, y, activation, gate_first)
+    return _run(first.shape, out_dtype, work_dtype, fallback, _launch_glu, gate, value, activation)
 
 
 @_triton_kernel(FAST_GELU)
