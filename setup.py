@@ -34,8 +34,19 @@ JIT_NOTE = "the C++ CPU kernels will be JIT-built on first use"
 UNWANTED_FLAGS = {"-Wall", "-Wsign-compare", "-fwrapv"}
 
 
+#: Whether to say why nothing is prebuilt: only in the run that builds (pip also runs this file for the
+#: build requirements and the metadata).
+ANNOUNCE = [True]
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+
+
 def say(text: str) -> None:
     print(f"mindiesd: {text}", file=sys.stderr, flush=True)
+
+
+def say_why_nothing_is_built(text: str) -> None:
+    if ANNOUNCE[0]:
+        say(text)
 
 
 def load_cpp_build():
@@ -44,7 +55,7 @@ def load_cpp_build():
     try:
         importlib.import_module("torch")
     except Exception as error:  # noqa: BLE001  (absent, or broken: build nothing)
-        say(
+        say_why_nothing_is_built(
             f"torch is not importable in this build environment ({type(error).__name__}), so no C++ CPU kernels "
             f"are prebuilt; {JIT_NOTE} (to prebuild them: install torch first, then pip install "
             "--no-build-isolation)"
@@ -97,12 +108,16 @@ def kernel_extensions() -> list:
         return []
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        say(f"no C++ compiler found (looked for {compiler!r}; set CXX to choose one), so no C++ CPU kernels are "
-            f"prebuilt; {JIT_NOTE}")
+        say_why_nothing_is_built(
+            f"no C++ compiler found (looked for {compiler!r}; set CXX to choose one), so no C++ CPU kernels are "
+            f"prebuilt; {JIT_NOTE}"
+        )
         return []
     tags = kernel_tags(cpp_build, compiler)
     if not tags:
-        say(f"{compiler} rejects the flags of every instruction set, so no C++ CPU kernels are prebuilt; {JIT_NOTE}")
+        say_why_nothing_is_built(
+            f"{compiler} rejects the flags of every instruction set, so no C++ CPU kernels are prebuilt; {JIT_NOTE}"
+        )
         return []
     from torch.utils.cpp_extension import CppExtension
 
@@ -186,4 +201,5 @@ def kernel_build_command():
 
 
 if __name__ == "__main__":
+    ANNOUNCE[0] = bool(BUILD_COMMANDS.intersection(sys.argv[1:]))
     setup(ext_modules=kernel_extensions(), cmdclass={"build_ext": kernel_build_command()})
