@@ -44,15 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the versions, devices, kernels and caches a bug report needs",
         description="Print what a bug report needs: the versions of mindiesd, Python, torch, diffusers, Triton and "
         "torch_npu; the devices torch sees; the CPU kernel implementation and the kernel each op has per device; "
-        "Triton and device-graph availability; the compile cache's folder and size. It loads a cached build of "
-        "the C++ CPU kernels but never compiles one (then cpu_kernels says 'not built yet'), unless "
-        "--build-cpu-kernels is given.",
+        "Triton and device-graph availability; the compile cache's folder and size. It loads the prebuilt C++ "
+        "CPU kernels of the package build or a cached build of them but never compiles one (then cpu_kernels "
+        "says 'not built yet'), unless --build-cpu-kernels is given.",
     )
     env_parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     env_parser.add_argument(
         "--build-cpu-kernels",
         action="store_true",
-        help="build the C++ CPU kernels first where no cached build exists (one-time, ~30 s), so cpu_kernels "
+        help="build the C++ CPU kernels first where neither prebuilt kernels nor a cached build load "
+        "(one-time, ~30 s), so cpu_kernels "
         "names the implementation the ops will run, or the build's failure",
     )
     env_parser.set_defaults(handler=_env_command)

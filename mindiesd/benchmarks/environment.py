@@ -3,8 +3,9 @@
 The one place both the bench's environment (its footer and ``--json``'s ``environment``, :func:`environment`) and
 ``python -m mindiesd env`` (:func:`report`, :func:`format_report`) are made from, so the two never disagree.
 
-Nothing here compiles the C++ CPU kernels: :func:`cpu_kernels` loads a cached build where one exists and otherwise
-says they are not built yet, unless asked to build them (``env --build-cpu-kernels``).
+Nothing here compiles the C++ CPU kernels: :func:`cpu_kernels` loads the package build's prebuilt kernels or a
+cached build where one loads and otherwise says they are not built yet, unless asked to build them
+(``env --build-cpu-kernels``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def package_version(name: str) -> Optional[str]:
 
 
 def cpu_kernels(build: bool = False) -> str:
-    """The CPU kernel implementation in use: 'C++ (<capability>, <n> float lanes)', 'composition (<why>)' or
-    'not built yet (...)'. Loads a cached build of the C++ kernels; compiles them only with ``build``."""
+    """The CPU kernel implementation in use: 'C++ prebuilt (<capability>, <n> float lanes)', 'C++ JIT-built (...)',
+    'composition (<why>)' or 'not built yet (...)'. Loads the prebuilt kernels or a cached build of them; compiles
+    them only with ``build``."""
     return _cpp_kernels.cpu_kernel_implementation(build=build)
 
 
@@ -157,7 +159,8 @@ def footer(env: Dict[str, Any]) -> str:
 def report(build_cpu_kernels: bool = False) -> Dict[str, Any]:
     """Everything a bug report needs: versions, devices, kernels per device, device graphs, the caches.
 
-    ``build_cpu_kernels``: compile the C++ CPU kernels first where no cached build exists (one-time, ~30 s).
+    ``build_cpu_kernels``: compile the C++ CPU kernels first where neither prebuilt kernels nor a cached build
+    load (one-time, ~30 s).
     """
     return {
         "mindiesd": MINDIESD_VERSION,

@@ -1,7 +1,8 @@
 """Tests of the single-pass C++ CPU kernels (mindiesd/ops/_cpp), their build (kernels/cpp_build.py) and their fallback.
 
-The first test that needs the kernels builds them (about a minute, once per
-machine: later runs load the cached build).
+The kernels are the package build's prebuilt ones where it made them; otherwise the first test that needs them
+builds them (about a minute, once per machine: later runs load the cached build). The prebuilt modules, their
+manifest and setup.py have tests of their own in test_cpp_prebuilt.py.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def test_cpp_wrappers_take_keywords_and_defaults():
 
 def test_kernels_report_their_capability(cpp):
     implementation = _cpp_kernels.cpu_kernel_implementation()
-    assert implementation.startswith("C++ (")
+    assert implementation.startswith(("C++ prebuilt (", "C++ JIT-built ("))
+    assert implementation.startswith(f"C++ {_cpp_build._origin(cpp)} ({cpp.capability()}, {cpp.vector_lanes} float")
     assert cpp.capability().split("+")[0] in ("AVX512", "AVX2", "DEFAULT")
 
 
@@ -479,7 +481,9 @@ def test_streaming_threshold_follows_the_cache(cpp):
 
 
 def _simulate_missing_build(monkeypatch, tmp_path):
+    """No prebuilt kernels (a folder without manifest) and no cached JIT build."""
     monkeypatch.setenv(_cpp_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(_cpp_build, "PREBUILT_DIR", tmp_path / "no-prebuilt-kernels")
     monkeypatch.setattr(_cpp_build, "_import_built", lambda name, directory: None)
     _cpp_build._reset()
 
@@ -683,3 +687,20 @@ def test_disabled_by_environment():
     )
     assert result.stdout.strip() == "ok"
     assert "C++ CPU kernels" not in result.stderr
+
+
+def test_disabled_by_environment_loads_no_prebuilt_module():
+    result = _run_python(
+        """
+        import sys
+        import torch
+        import mindiesd.ops
+        from mindiesd.ops.kernels import cpp_build
+        x = torch.randn(3, 8)
+        torch.ops.mindiesd.fast_gelu.default(x)
+        assert cpp_build.cpu_kernel_implementation() == "composition (disabled by MINDIESD_CPP_KERNELS=0)"
+        print(sorted(name for name in sys.modules if cpp_build.PREBUILT_PREFIX in name))
+        """,
+        MINDIESD_CPP_KERNELS="0",
+    )
+    assert result.stdout.strip() == "[]"

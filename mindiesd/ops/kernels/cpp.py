@@ -1,8 +1,9 @@
-"""Single-pass C++ CPU kernels for the mindiesd operators, built on first use.
+"""Single-pass C++ CPU kernels for the mindiesd operators, prebuilt by the package build or built on first use.
 
-Each op here calls its entry point of the C++ extension (``_cpp/``; built,
-cached and loaded by ``cpp_build.py`` on the first call of a CPU kernel, or
-by ``mindiesd.ops.build_cpu_kernels()``, never at import) and falls back to
+Each op here calls its entry point of the C++ extension (``_cpp/``; the
+package build's prebuilt module, else built, cached and loaded by
+``cpp_build.py`` on the first call of a CPU kernel, or by
+``mindiesd.ops.build_cpu_kernels()``, never at import) and falls back to
 the aten composition kernel of ``cpu.py`` for the forms the extension does
 not cover (e.g. float64, mixed-dtype mul_add) or when it is unavailable (no
 compiler or ninja, a failed build: one warning names the cause) or disabled:

@@ -1,25 +1,37 @@
-"""Build machinery of the C++ CPU kernels: cache folder, capability flags, compile, load, self-check.
+"""Build machinery of the C++ CPU kernels: prebuilt modules, cache folder, capability flags, compile, load, self-check.
 
 The kernels in ``_cpp/`` (one source per op, helpers shared in ``common.h``)
 read their input once and write one contiguous output (ATen ``Vectorized``
 arithmetic, ``at::parallel_for`` over rows; 16-bit values computed in float32
 and rounded once; outputs larger than 3/4 of the last-level cache written
-with non-temporal stores).  They are compiled with
-``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja) on the
-first call of a CPU kernel, or by ``mindiesd.ops.build_cpu_kernels()``, never
-at import, into a cache folder that later processes reuse:
+with non-temporal stores).  They come from one of two places, tried in this
+order on the first call of a CPU kernel (or by
+``mindiesd.ops.build_cpu_kernels()``), never at import:
+
+1. Prebuilt: the package build (``setup.py``, where torch is importable in
+   the build environment) compiles one extension module per instruction set,
+   ``_cpu_kernels_<tag>`` beside this file, for the tags of :data:`TAGS`
+   (``avx512bf16`` only where the compiler knows ``-mavx512bf16``), and
+   writes :data:`MANIFEST`, which records the torch version, the Python ABI
+   tag and a hash of the sources they were built from.  The module of this
+   machine's capability is loaded (else the best lower one that was built),
+   and only when the running torch, Python and sources are those of the
+   manifest: torch's C++ ABI is not stable across versions.
+2. JIT-built: otherwise ``torch.utils.cpp_extension.load`` (needs a C++
+   compiler and ninja) builds the same sources for this machine's capability
+   into a cache folder that later processes reuse:
 
 * ``MINDIESD_CPP_CACHE``: cache folder (default ``~/.cache/mindiesd/cpp``).
 * ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``cpu.py``.
 
-The build targets ATen's CPU capability of this machine
-(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or DEFAULT, plus
-AVX512-BF16 where the CPU has it) with the ISA flags ATen uses for that
-capability.  The capability, the torch and Python versions, the flags and a
-hash of every source and header name the cached build, so a build is only
-reused where it can run and only for the sources it was built from.  When no
-compiler or ninja is found or the build fails, one warning names the cause
-and :func:`extension` returns None.  The op wrappers that fall back to the
+Both target an ATen CPU capability (``torch.backends.cpu.get_cpu_capability()``:
+AVX512, AVX2 or DEFAULT, plus AVX512-BF16 where the CPU has it) with the ISA
+flags ATen uses for that capability (:func:`capability_flags`).  The
+capability, the torch and Python versions, the flags and a hash of every
+source and header name the cached JIT build, so a build is only reused where
+it can run and only for the sources it was built from.  When no compiler or
+ninja is found or the build fails, one warning names the cause and
+:func:`extension` returns None.  The op wrappers that fall back to the
 composition kernels live in ``cpp.py``.
 """
 
@@ -28,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -40,7 +53,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-__all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "enabled", "extension"]
+__all__ = ["build_cpu_kernels", "capability_flags", "cpu_kernel_implementation", "enabled", "extension"]
 
 CACHE_ENV = "MINDIESD_CPP_CACHE"
 ENABLE_ENV = "MINDIESD_CPP_KERNELS"
@@ -55,26 +68,35 @@ SELF_CHECKS: dict = {}
 # Wall time of the first build on a 2-core machine, for the progress line.
 ESTIMATED_BUILD_SECONDS = 30
 
-# ATen capability -> (cache tag, compiler flags), following ATen's own
-# per-capability kernel flags.
+#: The instruction sets the kernels are built for (cache and module tag -> ISA flags, following ATen's own
+#: per-capability kernel flags), best first: a machine runs the first one it supports.
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                  "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-_CAPABILITY_FLAGS: dict[str, tuple[str, list[str]]] = {
-    "AVX512": ("avx512", _AVX512_FLAGS),
-    "AVX2": (
-        "avx2",
-        ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-    ),
+_TAG_FLAGS: dict[str, list[str]] = {
+    # native float32 -> bfloat16 rounding (vcvtne2ps2bf16)
+    "avx512bf16": _AVX512_FLAGS + ["-mavx512bf16"],
+    "avx512": _AVX512_FLAGS,
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "default": ["-DCPU_CAPABILITY=DEFAULT"],
 }
-_DEFAULT_FLAGS: tuple[str, list[str]] = ("default", ["-DCPU_CAPABILITY=DEFAULT"])
+TAGS = tuple(_TAG_FLAGS)
 _COMMON_FLAGS = ["-O3", "-DNDEBUG", "-fopenmp"]
-_LINK_FLAGS = ["-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 _READY_MARKER = "ready"
+
+#: Folder of the prebuilt modules and their manifest (the package build puts them beside this file).
+PREBUILT_DIR = Path(__file__).parent
+#: Name of a prebuilt module: this prefix and the tag (``_cpu_kernels_avx2``).
+PREBUILT_PREFIX = "_cpu_kernels_"
+#: What the prebuilt modules were built against and from (JSON, written by the package build).
+MANIFEST = "_cpu_kernels.json"
 
 _lock = threading.Lock()
 _extension: ModuleType | None = None
 _resolved = False
 _failure: str | None = None
+#: Why installed prebuilt kernels were not used, or None (none installed, or they are in use).
+_prebuilt_refused: str | None = None
 
 
 def cache_root() -> Path:
@@ -90,22 +112,31 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _capability() -> tuple[str, list[str]]:
-    """(cache tag, ISA flags) for ATen's CPU capability on this machine."""
+def capability_flags(tag: str) -> list[str]:
+    """Compiler flags (optimisation and ISA) of a build for ``tag`` (one of :data:`TAGS`)."""
+    return _COMMON_FLAGS + _TAG_FLAGS[tag]
+
+
+def _capability_tag() -> str:
+    """The tag of :data:`TAGS` for ATen's CPU capability on this machine."""
     try:
-        name = torch.backends.cpu.get_cpu_capability()
+        name = torch.backends.cpu.get_cpu_capability().upper()
     except Exception:  # noqa: BLE001  (older torch or exotic platforms)
         name = "DEFAULT"
     machine = sysconfig.get_platform()
     if "x86_64" not in machine and "amd64" not in machine.lower():
-        return _DEFAULT_FLAGS
-    for prefix, flags in _CAPABILITY_FLAGS.items():
-        if name.upper().startswith(prefix):
-            if prefix == "AVX512" and _has_avx512_bf16():
-                # Native float32 -> bfloat16 rounding (vcvtne2ps2bf16).
-                return "avx512bf16", _AVX512_FLAGS + ["-mavx512bf16"]
-            return flags
-    return _DEFAULT_FLAGS
+        return "default"
+    if name.startswith("AVX512"):
+        return "avx512bf16" if _has_avx512_bf16() else "avx512"
+    if name.startswith("AVX2"):
+        return "avx2"
+    return "default"
+
+
+def _capability() -> tuple[str, list[str]]:
+    """(cache tag, ISA flags) for ATen's CPU capability on this machine."""
+    tag = _capability_tag()
+    return tag, _TAG_FLAGS[tag]
 
 
 def _has_avx512_bf16() -> bool:
@@ -121,22 +152,46 @@ def source_files() -> list[Path]:
     return sorted(listed | set(SOURCE_DIR.glob("*.cpp")) | set(SOURCE_DIR.glob("*.h")))
 
 
+def _hash_sources(digest):
+    """``digest`` updated with the name and content of every file of :func:`source_files`."""
+    for path in source_files():
+        content = path.read_bytes()
+        digest.update(f"{path.name}\0{len(content)}\0".encode() + content)
+    return digest
+
+
+def sources_digest() -> str:
+    """SHA-256 of the name and content of every file of :func:`source_files` (the prebuilt manifest's)."""
+    return _hash_sources(hashlib.sha256()).hexdigest()
+
+
 def build_name() -> tuple[str, list[str]]:
     """(extension name, compiler flags); the name is the cache key of the build.
 
     It hashes the name and content of every file of :func:`source_files`, so that any edit of a source or
     header builds anew.
     """
-    tag, isa_flags = _capability()
-    flags = _COMMON_FLAGS + isa_flags
-    digest = hashlib.sha256()
-    for path in source_files():
-        content = path.read_bytes()
-        digest.update(f"{path.name}\0{len(content)}\0".encode() + content)
+    tag = _capability_tag()
+    flags = capability_flags(tag)
+    digest = _hash_sources(hashlib.sha256())
     for part in (torch.__version__, str(torch.version.git_version), sys.implementation.cache_tag,
                  sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(flags)):
         digest.update(b"\0" + part.encode())
     return f"mindiesd_cpu_kernels_{tag}_{digest.hexdigest()[:16]}", flags
+
+
+def _import_extension(name: str, path: Path) -> ModuleType:
+    """Import the extension module ``name`` from the file ``path`` (raises ImportError); the module already
+    imported from that file is returned as it is."""
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")) == Path(path):
+        return loaded
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def _import_built(name: str, directory: Path) -> ModuleType | None:
@@ -148,13 +203,67 @@ def _import_built(name: str, directory: Path) -> ModuleType | None:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     for candidate in (directory / f"{name}.so", directory / f"{name}{suffix}"):
         if candidate.exists():
-            loader = importlib.machinery.ExtensionFileLoader(name, str(candidate))
-            spec = importlib.util.spec_from_file_location(name, candidate, loader=loader)
-            module = importlib.util.module_from_spec(spec)
-            loader.exec_module(module)
-            sys.modules[name] = module
-            return module
+            return _import_extension(name, candidate)
     return None
+
+
+def build_facts() -> dict[str, str]:
+    """What prebuilt modules must have been built against to be loaded: this torch (version and commit), this
+    Python ABI and these C++ sources (:func:`sources_digest`)."""
+    return {
+        "torch": torch.__version__,
+        "torch_git": str(torch.version.git_version),
+        "python": sys.implementation.cache_tag,
+        "sources": sources_digest(),
+    }
+
+
+def write_manifest(directory: Path, modules: dict[str, str]) -> Path:
+    """Write :data:`MANIFEST` into ``directory``: the prebuilt modules there (tag -> file name) and
+    :func:`build_facts` of the build.  Called by the package build once the modules are compiled."""
+    path = Path(directory) / MANIFEST
+    path.write_text(json.dumps({**build_facts(), "modules": modules}, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def prebuilt_module_name(tag: str) -> str:
+    """Full module name of the prebuilt module for ``tag`` (it lives beside this file)."""
+    package = __name__.rpartition(".")[0]
+    return f"{package}.{PREBUILT_PREFIX}{tag}" if package else f"{PREBUILT_PREFIX}{tag}"
+
+
+def _load_prebuilt() -> tuple[ModuleType | None, str | None]:
+    """(the prebuilt module for this machine, None), else (None, why it is not used); (None, None) where no
+    prebuilt kernels are installed (no manifest: a source checkout, or a build without torch)."""
+    path = PREBUILT_DIR / MANIFEST
+    if not path.exists():
+        return None, None
+    try:
+        manifest = json.loads(path.read_text())
+        modules = dict(manifest["modules"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return None, f"unreadable {path}: {error}"
+    facts = build_facts()
+    if (manifest.get("torch"), manifest.get("torch_git")) != (facts["torch"], facts["torch_git"]):
+        return None, f"built against torch {manifest.get('torch')}, this is torch {facts['torch']}"
+    if manifest.get("python") != facts["python"]:
+        return None, f"built for {manifest.get('python')}, this is {facts['python']}"
+    if manifest.get("sources") != facts["sources"]:
+        return None, "the C++ sources changed since they were built"
+    tag = _capability_tag()
+    usable = [candidate for candidate in TAGS[TAGS.index(tag):] if modules.get(candidate)]
+    if not usable:
+        return None, f"none built for {tag} or a capability below it (built: {', '.join(modules) or 'none'})"
+    file = PREBUILT_DIR / modules[usable[0]]
+    try:
+        return _import_extension(prebuilt_module_name(usable[0]), file), None
+    except Exception as error:  # noqa: BLE001  (missing or damaged file: the JIT build takes over)
+        return None, f"{file.name} does not load: {_summarize(error)}"
+
+
+def _origin(module: ModuleType) -> str:
+    """'prebuilt' for a module the package build made, 'JIT-built' for one built at first use."""
+    return "prebuilt" if module.__name__.rpartition(".")[2].startswith(PREBUILT_PREFIX) else "JIT-built"
 
 
 def _missing_tool() -> str | None:
@@ -178,7 +287,7 @@ def _compile(name: str, flags: list[str], directory: Path) -> ModuleType:
         name=name,
         sources=[str(SOURCE_DIR / file) for file in SOURCES],
         extra_cflags=flags,
-        extra_ldflags=_LINK_FLAGS,
+        extra_ldflags=LINK_FLAGS,
         build_directory=str(directory),
         verbose=False,
     )
@@ -239,12 +348,20 @@ class _NotBuilt(Exception):
 
 
 def _load(build: bool = True) -> ModuleType | None:
-    """Import the cached build or build it (``build=False``: raise :class:`_NotBuilt` instead of compiling); on
-    failure warn once and return None."""
-    global _failure
+    """Import the prebuilt module, else the cached JIT build, else build it (``build=False``: raise
+    :class:`_NotBuilt` instead of compiling); on failure warn once and return None."""
+    global _failure, _prebuilt_refused
     if not enabled():
         _failure = f"disabled by {ENABLE_ENV}={os.environ.get(ENABLE_ENV)}"
         return None
+    module, _prebuilt_refused = _load_prebuilt()
+    if module is not None:
+        try:
+            _configure(module)
+            _self_check(module)
+            return module
+        except Exception as error:  # noqa: BLE001  (the JIT build takes over)
+            _prebuilt_refused = _summarize(error)
     try:
         name, flags = build_name()
         directory = cache_root() / name
@@ -259,6 +376,12 @@ def _load(build: bool = True) -> ModuleType | None:
                 raise RuntimeError(missing)
             if not build:
                 raise _NotBuilt()
+            if _prebuilt_refused is not None:
+                print(
+                    f"mindiesd: not using the prebuilt CPU kernels ({_prebuilt_refused})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print(
                 f"mindiesd: building mindiesd CPU kernels (one-time, ~{ESTIMATED_BUILD_SECONDS} s) "
                 f"into {directory}",
@@ -279,6 +402,8 @@ def _load(build: bool = True) -> ModuleType | None:
         raise
     except Exception as error:  # noqa: BLE001  (never fail the op: fall back)
         _failure = _summarize(error)
+        if _prebuilt_refused is not None:
+            _failure += f"; prebuilt kernels not used: {_prebuilt_refused}"
         warnings.warn(
             f"mindiesd: the C++ CPU kernels are unavailable ({_failure}); "
             "using the aten composition kernels instead",
@@ -327,21 +452,24 @@ def build_cpu_kernels() -> bool:
 
 
 def cpu_kernel_implementation(build: bool = True) -> str:
-    """Which CPU kernels run: 'C++ (<capability>, <n> float lanes)' or 'composition (<reason>)'.
+    """Which CPU kernels run: 'C++ prebuilt (<capability>, <n> float lanes)' (the package build's),
+    'C++ JIT-built (<capability>, <n> float lanes)' (built at first use) or 'composition (<reason>)'.
 
-    It loads the C++ kernels, building them first where no cached build exists (one-time, ~30 s). With
-    ``build=False`` it never compiles: without a cached build it answers 'not built yet (...)'.
+    It loads the C++ kernels, building them first where neither prebuilt kernels nor a cached build exist
+    (one-time, ~30 s). With ``build=False`` it never compiles: then it answers 'not built yet (...)'. Where
+    installed prebuilt kernels are not used, the answer ends with why.
     """
     module = extension(build)
+    refused = f"; prebuilt kernels not used: {_prebuilt_refused}" if _prebuilt_refused else ""
     if module is not None:
-        return f"C++ ({module.capability()}, {module.vector_lanes} float lanes)"
+        return f"C++ {_origin(module)} ({module.capability()}, {module.vector_lanes} float lanes){refused}"
     if not _resolved:
-        return f"not built yet (the C++ kernels for {_capability()[0]} build on the first CPU kernel call)"
+        return f"not built yet (the C++ kernels for {_capability()[0]} build on the first CPU kernel call{refused})"
     return f"composition ({_failure or 'C++ kernels unavailable'})"
 
 
 def _reset() -> None:
     """Forget the loaded module so the next call loads again (for tests)."""
-    global _extension, _resolved, _failure
+    global _extension, _resolved, _failure, _prebuilt_refused
     with _lock:
-        _extension, _resolved, _failure = None, False, None
+        _extension, _resolved, _failure, _prebuilt_refused = None, False, None, None
