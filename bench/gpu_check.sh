@@ -8,6 +8,8 @@
 # bench (`python -m mindiesd bench ops --device cuda`: each fused op vs its eager sequence, Inductor and a copy);
 # the GEMM rewrites (off until measured on a GPU) forced on with each one off in turn (--force ... --ablate).
 # Without a GPU it says so and exits 0 after the environment step.
+# On this workplace's H200 image (torch in a venv, no network), from the repository root:
+#   export PATH=/opt/torch/.venv/bin:$PATH OUT=/tmp/gc; bash bench/gpu_check.sh   (carry .whl/ with diffusers' wheels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-/tmp/gpu_check}"
@@ -17,7 +19,7 @@ BUDGET="${GPU_CHECK_BUDGET:-450}"
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 
 STEPS=(
-  "tests|90|python -m pytest -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py"
+  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py"
   "flux_tiny_capture|45|python -m mindiesd bench model --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
   "flux_tiny_inductor|75|python -m mindiesd bench model --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
   "flux_mid_capture|60|python -m mindiesd bench model --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
@@ -42,10 +44,16 @@ print("triton:", importlib.util.find_spec("triton") is not None)
 PY
 } 2>&1 | tee "$OUT_DIR/environment.txt"
 
-if ! python -c "import mindiesd, diffusers" 2>/dev/null; then
-  echo "== installing the project (torch kept as it is)"
-  python -m pip install -q -e ".[test]" 2>&1 | tail -3
+# The project runs from this checkout (no install: the GPU image's torch may be older than the pinned one and
+# nothing can be downloaded there). diffusers, where the image lacks it, comes as wheels in .whl/ (carried):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl diffusers==0.42.1 importlib_metadata
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! python -c "import diffusers" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  echo "== installing the carried wheels (.whl/) into /tmp/gpu_check_site"
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl 2>&1 | tail -3
+  export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
 fi
+python -c "import mindiesd, diffusers" || echo "gpu_check: mindiesd or diffusers cannot be imported; the model steps will fail"
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device visible to torch (a CPU-only torch, or no GPU): nothing to measure"
   exit 0
