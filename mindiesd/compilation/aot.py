@@ -24,6 +24,7 @@ Device-graph capture (``aclgraph_*``) wraps the loaded graph, so captures are ma
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -191,7 +192,9 @@ def _config_text(config: Any) -> str:
     return json.dumps({k: v for k, v in config.items() if not str(k).startswith("_")}, sort_keys=True, default=repr)
 
 
+@functools.lru_cache(maxsize=None)
 def _source_file(cls: type) -> Optional[str]:
+    """The file defining ``cls`` (looked up once per class: a regional compile keys every block)."""
     try:
         return inspect.getsourcefile(cls)
     except (TypeError, OSError):
