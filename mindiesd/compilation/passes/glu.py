@@ -76,11 +76,16 @@ def _dtypes_agree(m, root, *operands):
     return None
 
 
-def _check_split(m, root):
+def _halved(m, root):
+    """(x, None) when the one tensor whose halves are gate and value has the product's dtype, else (None, why)."""
     reason = _dtypes_agree(m, root, m["x"])
+    return (None, reason) if reason is not None else (tensor_val(m["x"]), None)
+
+
+def _check_split(m, root):
+    x, reason = _halved(m, root)
     if reason is not None:
         return reason
-    x = tensor_val(m["x"])
     if x.dim() < 1 or not _last_dim(m["split_dim"], x.dim()):
         return "x is not split along its last dimension"
     pieces = val(m["split"])
@@ -98,10 +103,9 @@ def _check_split(m, root):
 
 
 def _check_slices(m, root):
-    reason = _dtypes_agree(m, root, m["x"])
+    x, reason = _halved(m, root)
     if reason is not None:
         return reason
-    x = tensor_val(m["x"])
     rank = x.dim()
     if rank < 1 or not (_last_dim(m["gate_dim"], rank) and _last_dim(m["value_dim"], rank)):
         return "x is not sliced along its last dimension"
