@@ -30,6 +30,7 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .families import check_known
 from . import cache as graph_cache
+from .codegen import runner, traced_facts
 from .config import CompilationConfig
 from .context import GraphContext
 from .device_graph import DeviceGraphRunner, wrap_for_capture
@@ -276,7 +277,7 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
     target.graph.eliminate_dead_code()
     target.recompile()
     return CompiledGraph(
-        run=split.bind(target.forward) if split is not None else target.forward, main=target, frozen=split,
+        run=split.bind(runner(target)) if split is not None else runner(target), main=target, frozen=split,
         n_folded=split.n_folded if split is not None else 0, matches=matches, rules=passes.rule_hits(),
         skipped={**context.skipped, **frozen.skipped},
         nodes_after=_node_count(target) + (_node_count(split.fold) if split is not None else 0),
@@ -301,7 +302,7 @@ def cached_entry(compiled: CompiledGraph) -> graph_cache.CachedGraph:
         fold_inputs=list(split.fold_inputs) if split is not None else [],
         main_inputs=list(split.main_inputs) if split is not None else [], n_folded=compiled.n_folded,
         matches=dict(compiled.matches), rules=dict(compiled.rules), skipped=dict(compiled.skipped),
-        nodes_after=compiled.nodes_after,
+        nodes_after=compiled.nodes_after, direct=traced_facts(compiled.main),
     )
 
 

@@ -81,6 +81,8 @@ class CachedGraph:
     rules: Dict[str, int] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)
     nodes_after: int = 0
+    #: The fused ops of ``main`` whose C++ kernels its runner may call straight (``codegen.traced_facts``).
+    direct: Dict[str, torch.dtype] = field(default_factory=dict)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -90,6 +92,7 @@ class CachedGraph:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
+        state.setdefault("direct", {})  # stored before the runner existed: its fused ops use the dispatcher
         state["main"] = stored_graph.graph_module(state["main"])
         state["fold"] = None if state["fold"] is None else stored_graph.graph_module(state["fold"])
         self.__dict__.update(state)
@@ -279,13 +282,14 @@ def calling_convention_problem(aten_gm: GraphModule, n_inputs: int) -> Optional[
 def runnable(entry: CachedGraph) -> Callable[..., Any]:
     """The callable Dynamo gets from a cache hit: the graphs on the flat inputs, without gradients (as aot runs
     an inference graph)."""
+    from .codegen import runner
     from .freezing import FrozenGraph
 
     if entry.fold is not None:
         frozen = FrozenGraph(entry.fold, entry.main, list(entry.fold_inputs), list(entry.main_inputs), entry.n_folded)
-        run_graph = frozen.bind(entry.main.forward)
+        run_graph = frozen.bind(runner(entry.main, entry.direct))
     else:
-        frozen, run_graph = None, entry.main.forward
+        frozen, run_graph = None, runner(entry.main, entry.direct)
 
     def run(*args: Any) -> Any:
         with torch.no_grad():

@@ -1,0 +1,268 @@
+"""The function that runs a fused graph: straight-line Python generated for it, with less per-call overhead.
+
+A ``GraphModule``'s forward calls every aten op through ``OpOverload.__call__`` (a Python frame around the
+operator's C++ handle) and every fused op through the dispatcher, which calls back into Python for the op's
+layout adapter, its input checks and the resolution of its output dtype before the C++ kernel runs. In a graph
+whose shapes are static (Dynamo guards them) all of that is known when the graph is compiled. The function made
+here is the same program with that work done once:
+
+* aten ops are called through their C++ handles (``OpOverload._op``, what ``OpOverload.__call__`` calls);
+* a fused op whose kernel on the graph's device is the C++ CPU kernel of :mod:`mindiesd.ops.kernels.cpp`, whose
+  output is contiguous (so the layout adapter would call the kernel straight) and whose shapes are static, calls
+  the C++ entry point directly with its output dtype resolved from the traced output. Where the entry point
+  declines a form (it returns None) or raises, where the process has no C++ kernels, or while a profiler is
+  recording (so that it sees every ``mindiesd::`` op), the op runs through the dispatcher as before;
+* every other node runs as the ``GraphModule``'s forward runs it; a value is released after its last use, as
+  FX's generated code does.
+
+The graph itself is not changed: it is what is inspected (``MindieSDBackend(keep_graphs=True)``), counted and
+stored. Any failure to generate gives the graph's own forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import operator
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = ["runner", "direct_kernel", "traced_facts"]
+
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _static(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and all(type(s) is int for s in (*value.shape, *value.stride()))
+
+
+def _contiguous(value: torch.Tensor) -> bool:
+    step = 1
+    for size, stride in zip(reversed(value.shape), reversed(value.stride())):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return True
+
+
+def traced_facts(gm: GraphModule) -> Dict[str, torch.dtype]:
+    """The fused-op nodes of ``gm`` (by name) whose traced values allow the straight call, with their output
+    dtype: static shapes, a contiguous CPU output. Stored with a cached graph, whose loaded nodes carry no
+    traced values."""
+    facts: Dict[str, torch.dtype] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                or target.namespace != "mindiesd":
+            continue
+        out = node.meta.get("val")
+        if not _static(out) or out.device.type != "cpu" or not _contiguous(out):
+            continue
+        if all(_static(arg.meta.get("val")) for arg in node.all_input_nodes
+               if not isinstance(arg.meta.get("val"), (int, float, bool, list, tuple))):
+            facts[node.name] = out.dtype
+    return facts
+
+
+def direct_kernel(node: Node, out_dtype: torch.dtype) -> Optional[Callable[..., Any]]:
+    """A function that runs the fused op of ``node`` (whose output is ``out_dtype``, its traced facts allowing
+    it) straight on its C++ CPU kernel, or None where this process runs the op otherwise (see the module doc)."""
+    target = node.target
+    from mindiesd.ops import registry
+    from mindiesd.ops.kernels import cpp, cpp_build
+
+    name = target._opname
+    kernel = cpp.KERNELS.get(name)
+    if kernel is None or registry.DEVICE_KERNELS.get("cpu", {}).get(name) is not kernel:
+        return None  # no C++ kernel for the op, or a kernel the user registered in its place
+    parameters = list(inspect.signature(kernel).parameters)
+    takes_dtype = parameters[-1:] == ["out_dtype"]
+    positional = parameters[:-1] if takes_dtype else parameters
+    try:
+        bound = target._schema  # the kernel takes the schema's leading arguments, in order
+        schema_names = [a.name for a in bound.arguments]
+    except Exception:  # pragma: no cover - every registered op has a schema
+        return None
+    if schema_names[:len(positional)] != positional:
+        return None
+    defaults = {a.name: a.default_value for a in bound.arguments if a.has_default_value()}
+    picks: List[Any] = []
+    for index, parameter in enumerate(positional):  # where each kernel argument comes from
+        if index < len(node.args):
+            picks.append(("arg", index))
+        elif parameter in node.kwargs:
+            picks.append(("kwarg", parameter))
+        elif parameter in defaults:
+            picks.append(("const", defaults[parameter]))
+        else:
+            return None
+    overload = target
+
+    count = len(positional)
+    entry: Any = None  # the C++ entry point, looked up on the first call: never while a graph is being traced
+
+    def resolve() -> Any:
+        nonlocal entry
+        module = cpp_build._extension if cpp_build._resolved else cpp_build.extension()
+        entry = getattr(module, name, None) if module is not None else None
+        entry = entry or False  # False: no C++ kernel in this process, the op runs through the dispatcher
+        return entry
+
+    if all(kind == "arg" for kind, _ in picks):  # the leading arguments, as the graph passes them
+        def call(*args: Any, **kw: Any) -> Any:
+            fn = entry if entry is not None else resolve()
+            if fn and not _profiling():
+                try:
+                    result = fn(*args[:count], out_dtype) if takes_dtype else fn(*args[:count])
+                except Exception:  # noqa: BLE001  (the op's own path runs it, or raises its own error)
+                    result = None
+                if result is not None:
+                    return result
+            return overload(*args, **kw)
+    else:
+        def call(*args: Any, **kw: Any) -> Any:
+            fn = entry if entry is not None else resolve()
+            if fn and not _profiling():
+                values = [args[where] if kind == "arg" else kw[where] if kind == "kwarg" else where
+                          for kind, where in picks]
+                if takes_dtype:
+                    values.append(out_dtype)
+                try:
+                    result = fn(*values)
+                except Exception:  # noqa: BLE001
+                    result = None
+                if result is not None:
+                    return result
+            return overload(*args, **kw)
+
+    call.__name__ = call.__qualname__ = f"direct_{name}"
+    return call
+
+
+class _Source:
+    """The generated lines and the globals they read."""
+
+    def __init__(self, gm: GraphModule, facts: Mapping[str, torch.dtype]):
+        self.gm, self.facts = gm, facts
+        self.globals: Dict[str, Any] = {"_gm": gm}
+        self.names: Dict[Node, str] = {}
+        self._bound: Dict[int, str] = {}
+        self.direct = 0
+
+    def bind(self, value: Any, prefix: str) -> str:
+        name = self._bound.get(id(value))
+        if name is None:
+            name = f"_{prefix}{len(self.globals)}"
+            self.globals[name] = value
+            self._bound[id(value)] = name
+        return name
+
+    def expr(self, value: Any) -> str:
+        if isinstance(value, Node):
+            return self.names[value]
+        if value is None or isinstance(value, (bool, str)):
+            return repr(value)
+        if type(value) is int:
+            return repr(value)
+        if type(value) is float and math.isfinite(value):
+            return repr(value)
+        if isinstance(value, list):  # FX's immutable_list included
+            return "[" + ", ".join(self.expr(v) for v in value) + "]"
+        if type(value) is tuple:
+            return "(" + "".join(self.expr(v) + ", " for v in value) + ")"
+        if isinstance(value, dict) and all(type(k) is str for k in value):
+            return "{" + ", ".join(f"{k!r}: {self.expr(v)}" for k, v in value.items()) + "}"
+        return self.bind(value, "c")
+
+    def call(self, node: Node) -> str:
+        target = node.target
+        args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
+        if target is operator.getitem and len(node.args) == 2 and not node.kwargs:
+            return f"{args[0]}[{args[1]}]"
+        out_dtype = self.facts.get(node.name)
+        fn = direct_kernel(node, out_dtype) if out_dtype is not None else None
+        if fn is not None:
+            self.direct += 1
+            name = self.bind(fn, "d")
+        elif type(target) is torch._ops.OpOverload:
+            name = self.bind(target._op, "op")
+        else:
+            name = self.bind(target, "f")
+        return f"{name}({', '.join(args)})"
+
+
+def runner(gm: GraphModule, facts: Optional[Mapping[str, torch.dtype]] = None) -> Callable[..., Any]:
+    """The function that runs ``gm`` (its forward where it cannot be generated). ``facts``: its
+    :func:`traced_facts`, where its nodes carry no traced values (a graph loaded from the cache)."""
+    try:
+        return _generate(gm, traced_facts(gm) if facts is None else facts)
+    except Exception as exc:  # noqa: BLE001  (the graph's own forward is always correct)
+        log.debug("straight-line code not generated (%s: %s); the graph's forward runs", type(exc).__name__, exc)
+        return gm.forward
+
+
+def _generate(gm: GraphModule, facts: Mapping[str, torch.dtype]) -> Callable[..., Any]:
+    graph = gm.graph
+    if type(graph._codegen) is not torch.fx.graph.CodeGen:
+        return gm.forward  # a graph with its own calling convention
+    nodes = list(graph.nodes)
+    last_use: Dict[Node, Node] = {}
+    for node in reversed(nodes):
+        for used in node.all_input_nodes:
+            last_use.setdefault(used, node)
+    released: Dict[Node, List[Node]] = {}
+    for value, user in last_use.items():
+        released.setdefault(user, []).append(value)
+
+    source = _Source(gm, facts)
+    params: List[str] = []
+    body: List[str] = []
+    for index, node in enumerate(nodes):
+        name = f"v{index}"
+        source.names[node] = name
+        if node.op == "placeholder":
+            if node.args or node.kwargs:
+                return gm.forward  # a default value: keep FX's handling
+            params.append(name)
+            continue
+        if node.op == "output":
+            body.append(f"return {source.expr(node.args[0])}")
+            break
+        if node.op == "get_attr":
+            body.append(f"{name} = {source.bind(_Attribute(node.target), 'a')}(_gm)")
+        elif node.op == "call_function":
+            body.append(f"{name} = {source.call(node)}")
+        else:
+            return gm.forward  # call_module / call_method: not in aten graphs
+        dead = [source.names[v] for v in released.get(node, ())]
+        if not node.users:
+            dead.append(name)
+        if dead:
+            body.append(" = ".join(dead) + " = None")
+    code = "def forward(" + ", ".join(params) + "):\n" + "".join(f"    {line}\n" for line in body)
+    namespace = dict(source.globals)
+    exec(compile(code, f"<mindiesd runner {id(gm):x}>", "exec"), namespace)  # noqa: S102  (generated here)
+    forward = namespace["forward"]
+    forward.source = code  # type: ignore[attr-defined]
+    forward.direct_ops = source.direct  # type: ignore[attr-defined]
+    return forward
+
+
+class _Attribute:
+    """Reads ``gm.<dotted target>`` each call (a graph's attribute may be replaced after compilation)."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, target: str):
+        self.path = target.split(".")
+
+    def __call__(self, gm: GraphModule) -> Any:
+        value: Any = gm
+        for part in self.path:
+            value = getattr(value, part)
+        return value

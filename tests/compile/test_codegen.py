@@ -1,0 +1,187 @@
+"""The generated runner of a fused graph (``compilation/codegen.py``): same results as the graph's own forward, the
+fused ops' C++ kernels called straight where the layout is known, the dispatcher where it is not."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_utils import assert_close, run_compiled
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning, codegen
+from mindiesd.compilation import backend as backend_module
+from mindiesd.ops import _layout, registry
+from mindiesd.ops.kernels import cpp
+
+D = 32
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def block(x, w, scale, shift, gate):
+    h = F.rms_norm(x, (D,), w, eps=1e-6)
+    h = F.layer_norm(h, (D,), eps=1e-6) * (1 + scale) + shift
+    h = F.gelu(h, approximate="tanh")
+    return x + gate * h
+
+
+def _inputs(dtype):
+    return (_randn(2, 8, D, seed=1).to(dtype), _randn(D, seed=2).to(dtype), _randn(2, 1, D, seed=3).to(dtype),
+            _randn(2, 1, D, seed=4).to(dtype), _randn(2, 1, D, seed=5).to(dtype))
+
+
+EXPECTED = {"rms_norm": 1, "adalayernorm": 1, "fast_gelu": 1, "mul_add": 1}
+
+
+def _layout_calls(monkeypatch):
+    """Counts the dispatcher's layout adapter runs (every fused op through the dispatcher runs it once)."""
+    calls = []
+    real = _layout.output_layout
+
+    def counting(op, args):
+        calls.append(op)
+        return real(op, args)
+
+    monkeypatch.setattr(_layout, "output_layout", counting)
+    return calls
+
+
+needs_cpp = pytest.mark.skipif(not cpp.KERNELS or registry.DEVICE_KERNELS.get("cpu", {}).get("rms_norm")
+                               is not cpp.KERNELS.get("rms_norm"), reason="the C++ CPU kernels are not in use")
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_ops_run_their_cpp_kernels_without_the_dispatcher(dtype, monkeypatch):
+    args = _inputs(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        actual, expected, counts, backend = run_compiled(block, *args)
+        assert {k: counts[k] for k in EXPECTED} == EXPECTED
+        assert_close(actual, expected, dtype)
+        assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
+        calls = _layout_calls(monkeypatch)
+        compiled = torch.compile(block, backend=backend, fullgraph=True)
+        with torch.no_grad():
+            again = compiled(*args)
+    assert calls == []  # no fused op went through the dispatcher's adapter
+    assert torch.equal(again, actual)
+
+
+@needs_cpp
+def test_without_the_runner_every_fused_op_goes_through_the_dispatcher(monkeypatch):
+    """The check above can fail: the graph's own forward runs the adapter once per fused op."""
+    monkeypatch.setattr(backend_module, "runner", lambda gm: gm.forward)
+    args = _inputs(torch.float32)
+    actual, expected, counts, _ = run_compiled(block, *args)
+    calls = _layout_calls(monkeypatch)
+    compiled = torch.compile(block, backend=MindieSDBackend(CompilationConfig(cache_dir=None)), fullgraph=True)
+    with torch.no_grad():
+        compiled(*args)
+    assert sorted(calls) == sorted(EXPECTED)
+    assert_close(actual, expected)
+
+
+@needs_cpp
+def test_a_profiled_call_shows_every_fused_op():
+    """While a profiler records, the fused ops go through the dispatcher, so the profile counts them."""
+    args = _inputs(torch.float32)
+    _, _, counts, backend = run_compiled(block, *args)
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        compiled(*args)  # compiled outside the profile (tracing runs the ops' fake kernels)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(*args)
+    names = [e.name for e in prof.events() if e.name.startswith("mindiesd::")]
+    assert len(names) == sum(counts.values()) == sum(EXPECTED.values())
+
+
+def test_an_output_in_a_layout_of_its_own_keeps_the_adapter():
+    """RMSNorm of a transposed view returns that layout (not contiguous): the op keeps its adapter."""
+
+    def fn(x, w):
+        return F.rms_norm(x.transpose(1, 2), (D,), w, eps=1e-5) * 2
+
+    x, w = _randn(2, D, 6, D, seed=1), _randn(D, seed=2)
+    actual, expected, counts, backend = run_compiled(fn, x, w)
+    assert counts["rms_norm"] == 1
+    assert codegen.runner(backend.graphs[0]).direct_ops == 0
+    assert_close(actual, expected)
+    assert actual.stride() == expected.stride()
+
+
+@needs_cpp
+def test_a_kernel_the_user_registered_is_called_through_the_dispatcher(monkeypatch):
+    args = _inputs(torch.float32)
+    _, _, _, backend = run_compiled(block, *args)
+    assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
+    monkeypatch.setitem(registry.DEVICE_KERNELS["cpu"], "rms_norm", lambda *a: None)
+    assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values()) - 1
+
+
+def test_dynamic_shapes_run_through_the_dispatcher():
+    args = _inputs(torch.float32)
+    actual, expected, counts, backend = run_compiled(block, *args, dynamic=True)
+    assert counts["rms_norm"] == 1
+    assert codegen.runner(backend.graphs[0]).direct_ops == 0  # symbolic sizes: nothing is known at compile time
+    assert_close(actual, expected)
+    longer = tuple(a if a.dim() < 3 or a.shape[1] == 1 else _randn(2, 13, D, seed=9) for a in args)
+    compiled = torch.compile(block, backend=backend, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        assert_close(compiled(*longer), block(*longer))
+
+
+def test_values_are_released_after_their_last_use():
+    """Like FX's own code, the runner drops each intermediate once nothing later reads it."""
+    args = _inputs(torch.float32)
+    _, _, _, backend = run_compiled(block, *args)
+    gm = backend.graphs[0]
+    source = codegen.runner(gm).source
+    lines = source.splitlines()
+    returned = lines[-1]
+    assert returned.strip().startswith("return")
+    for line in lines[1:-1]:
+        if " = None" in line or "=" not in line:
+            continue
+        name = line.split("=")[0].strip()
+        later = "\n".join(lines[lines.index(line) + 1:])
+        assert f"{name} = None" in later or f" {name} = " in later or name in returned, name
+
+
+def test_a_graph_that_cannot_be_generated_runs_its_own_forward():
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 3)))  # call_module: not an aten graph
+    assert codegen.runner(gm) == gm.forward
+
+
+def test_cache_hits_run_the_generated_code(tmp_path, monkeypatch):
+    args = _inputs(torch.float32)
+    config = CompilationConfig(cache_dir=str(tmp_path))
+    first = MindieSDBackend(config)
+    with torch.no_grad():
+        expected = torch.compile(block, backend=first, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    second = MindieSDBackend(config)
+    calls = _layout_calls(monkeypatch)
+    with torch.no_grad():
+        actual = torch.compile(block, backend=second, fullgraph=True)(*args)
+    assert [r.cache for r in second.report().records] == ["hit"]
+    assert torch.equal(actual, expected)
+    if cpp.KERNELS and registry.DEVICE_KERNELS.get("cpu", {}).get("rms_norm") is cpp.KERNELS.get("rms_norm"):
+        assert calls == []
+
+
+@needs_cpp
+def test_forms_the_cpp_kernel_declines_run_through_the_dispatcher(monkeypatch):
+    """float64: the C++ entry points return None, and the op's own path (the aten composition) runs."""
+    args = _inputs(torch.float64)
+    actual, expected, counts, backend = run_compiled(block, *args)
+    assert {k: counts[k] for k in EXPECTED} == EXPECTED
+    assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
+    calls = _layout_calls(monkeypatch)
+    with torch.no_grad():
+        again = torch.compile(block, backend=backend, fullgraph=True)(*args)
+    assert sorted(calls) == sorted(EXPECTED)
+    torch.testing.assert_close(again, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
