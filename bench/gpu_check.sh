@@ -16,16 +16,21 @@ OUT_DIR="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT_DIR"
 DRY=0
 BUDGET="${GPU_CHECK_BUDGET:-450}"
+# the elementwise families declared not faster than eager on CUDA (uncaptured), forced on to measure them captured
+FORCE_ELEMENTWISE="--force rms_norm --force adalayernorm --force fast_gelu --force mul_add"
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 
 STEPS=(
-  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py"
-  "flux_tiny_capture|45|python -m mindiesd bench model --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
-  "flux_tiny_inductor|75|python -m mindiesd bench model --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
-  "flux_mid_capture|60|python -m mindiesd bench model --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
+  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_codegen.py"
   "flux_mid_bf16_capture|45|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
-  "flux_mid_bf16_gemm|60|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
+  "flux_mid_bf16_forced_capture|50|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture $FORCE_ELEMENTWISE --markdown --json $OUT_DIR/flux_mid_bf16_forced.json"
+  "flux2_bf16_capture|40|python -m mindiesd bench model --model flux2 --size tiny --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux2_bf16.json"
+  "flux2_bf16_forced_capture|40|python -m mindiesd bench model --model flux2 --size tiny --dtype bf16 --device cuda --capture $FORCE_ELEMENTWISE --force glu --markdown --json $OUT_DIR/flux2_bf16_forced.json"
+  "flux_mid_capture|60|python -m mindiesd bench model --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
+  "flux_tiny_capture|45|python -m mindiesd bench model --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
   "ops_cuda|90|python -m mindiesd bench ops --device cuda --markdown"
+  "flux_mid_bf16_gemm|60|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
+  "flux_tiny_inductor|75|python -m mindiesd bench model --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
 )
 
 if (( DRY )); then
