@@ -21,7 +21,7 @@ FORCE_ELEMENTWISE="--force rms_norm --force adalayernorm --force fast_gelu --for
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 
 STEPS=(
-  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_codegen.py"
+  "tests|190|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_codegen.py"
   "flux_mid_bf16_capture|45|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
   "flux_mid_bf16_forced_capture|50|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture $FORCE_ELEMENTWISE --markdown --json $OUT_DIR/flux_mid_bf16_forced.json"
   "flux2_bf16_capture|40|python -m mindiesd bench model --model flux2 --size tiny --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux2_bf16.json"
