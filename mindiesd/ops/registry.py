@@ -111,6 +111,10 @@ def _first_checked(reference: Callable, checks: Callable) -> Callable[..., torch
 OPS: dict[str, OpDef] = globals().get("OPS", {})
 SCHEMAS: dict[str, str] = globals().get("SCHEMAS", {})
 DEVICE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = globals().get("DEVICE_KERNELS", {})
+#: (op name, dispatch key) -> a one-element list holding the callable the dispatcher's kernel there calls. The
+#: dispatcher gets one kernel per op and key, once: registering another kernel replaces what it calls, since
+#: some torch versions (2.11) refuse a second Python kernel for the same op and key.
+_SLOTS: dict[tuple[str, str], list] = globals().get("_SLOTS", {})
 
 
 def _library() -> torch.library.Library:
@@ -155,7 +159,20 @@ def register_device_kernel(name: str, device_type: str, kernel: Callable[..., to
     """
     if name not in SCHEMAS:
         raise ValueError(f"mindiesd.ops: unknown operator {name!r}; known: {sorted(SCHEMAS)}")
-    LIBRARY.impl(name, _layout.conform(name, kernel), _dispatch_key(device_type))
+    key = _dispatch_key(device_type)
+    conformed = _layout.conform(name, kernel)
+    slot = _SLOTS.get((name, key))
+    if slot is not None:
+        slot[0] = conformed
+    else:
+        slot = [conformed]
+
+        def dispatched(*args, **kwargs):
+            return slot[0](*args, **kwargs)
+
+        dispatched.__name__ = dispatched.__qualname__ = f"{name}_{key}"
+        LIBRARY.impl(name, dispatched, key)
+        _SLOTS[(name, key)] = slot
     DEVICE_KERNELS.setdefault(device_type, {})[name] = kernel
 
 

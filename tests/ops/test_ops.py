@@ -88,6 +88,33 @@ def test_reload_does_not_register_twice():
     torch.testing.assert_close(OPS.rms_norm.default(x, None, 1e-6), reference.rms_norm(x))
 
 
+def test_registering_again_replaces_the_kernel_without_registering_twice(monkeypatch):
+    """torch 2.11 refuses a second Python kernel for one op and dispatch key: a kernel registered where one is
+    already swaps what the dispatcher's kernel calls, and the dispatcher is not asked again."""
+    original = registry.DEVICE_KERNELS["cpu"]["rms_norm"]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not allowed: there's already a kernel registered from python for this dispatch key")
+
+    monkeypatch.setattr(registry.LIBRARY, "impl", refuse)
+    calls = []
+
+    def mine(x, weight, eps, out_dtype=None):
+        calls.append(x.shape)
+        return original(x, weight, eps, out_dtype)
+
+    x = randn(2, 16)
+    try:
+        registry.register_device_kernel("rms_norm", "cpu", mine)
+        torch.testing.assert_close(OPS.rms_norm.default(x, None, 1e-6), reference.rms_norm(x))
+        assert calls == [x.shape]
+    finally:
+        registry.register_device_kernel("rms_norm", "cpu", original)
+    assert registry.DEVICE_KERNELS["cpu"]["rms_norm"] is original
+    OPS.rms_norm.default(x, None, 1e-6)
+    assert calls == [x.shape]  # the original kernel is back
+
+
 def test_fresh_reimport_and_light_import():
     script = textwrap.dedent(
         """
