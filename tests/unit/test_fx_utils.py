@@ -127,3 +127,43 @@ def test_a_copy_making_contiguous_what_already_is_is_removed():
     assert _clones(gm) == 1 and drop_copies(gm.graph) == 1
     gm.recompile()
     torch.testing.assert_close(gm(x, w), fn(x, w), rtol=0, atol=0)
+
+
+def _cats(gm):
+    return sum(1 for n in gm.graph.nodes if n.target == aten.cat.default)
+
+
+def test_a_concatenation_of_a_tensors_own_consecutive_slices_is_that_tensor():
+    """Flux's single blocks split text and image tokens after each block and concatenate them again."""
+    x, w = torch.randn(2, 6, 8), torch.randn(8, 8)
+
+    def fn(x, w):
+        y = x @ w
+        return torch.cat([y[:, :2], y[:, 2:5], y[:, 5:]], 1) * 2
+
+    gm = traced(fn, x, w)
+    assert _cats(gm) == 1
+    assert drop_copies(gm.graph) == 1
+    gm.recompile()
+    assert _cats(gm) == 0
+    torch.testing.assert_close(gm(x, w), fn(x, w), rtol=0, atol=0)
+
+
+def test_concatenations_that_are_not_the_whole_tensor_stay():
+    x, w = torch.randn(2, 6, 8), torch.randn(8, 8)
+    cases = {
+        "swapped halves": lambda x, w: torch.cat([(x @ w)[:, 3:], (x @ w)[:, :3]], 1) * 2,
+        "a gap": lambda x, w: torch.cat([(x @ w)[:, :2], (x @ w)[:, 3:]], 1) * 2,
+        "not to the end": lambda x, w: torch.cat([(x @ w)[:, :2], (x @ w)[:, 2:5]], 1) * 2,
+        "a step": lambda x, w: torch.cat([(x @ w)[:, 0:6:2], (x @ w)[:, 1:6:2]], 1) * 2,
+        "two tensors": lambda x, w: torch.cat([(x @ w)[:, :3], (x @ w + 1)[:, 3:]], 1) * 2,
+        "another dim": lambda x, w: torch.cat([(x @ w)[:, :3], (x @ w)[:, 3:]], 2) * 2,
+        "another layout": lambda x, w: torch.cat([(x @ w).transpose(1, 2)[:, :4], (x @ w).transpose(1, 2)[:, 4:]], 1) * 2,
+        "an output": lambda x, w: torch.cat([(x @ w)[:, :3], (x @ w)[:, 3:]], 1),
+    }
+    for why, fn in cases.items():
+        gm = traced(fn, x, w)
+        assert _cats(gm) == 1, why
+        assert drop_copies(gm.graph) == 0, why
+        gm.recompile()
+        torch.testing.assert_close(gm(x, w), fn(x, w), rtol=0, atol=0)
