@@ -25,7 +25,7 @@ import inspect
 import logging
 import math
 import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.fx import GraphModule, Node
@@ -41,39 +41,59 @@ def _static(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and all(type(s) is int for s in (*value.shape, *value.stride()))
 
 
-def _contiguous(value: torch.Tensor) -> bool:
-    step = 1
-    for size, stride in zip(reversed(value.shape), reversed(value.stride())):
-        if size != 1 and stride != step:
-            return False
-        step *= size
-    return True
+#: What the straight call of a fused op needs to know from the trace: its output dtype, and the order of the
+#: output's dimensions in memory when it is not row-major (None when it is).
+Fact = Tuple[torch.dtype, Optional[Tuple[int, ...]]]
 
 
-def traced_facts(gm: GraphModule) -> Dict[str, torch.dtype]:
-    """The fused-op nodes of ``gm`` (by name) whose traced values allow the straight call, with their output
-    dtype: static shapes, a contiguous CPU output. Stored with a cached graph, whose loaded nodes carry no
+def _plan(name: str, out: torch.Tensor) -> Optional[Tuple[Optional[Tuple[int, ...]]]]:
+    """``(order,)`` where the layout adapter would call the kernel straight (``order`` None: a row-major output) or
+    on inputs permuted to the output's memory order (``order``: that order, the permuted result being exactly the
+    output's strides); None where it copies (the normalised dimension is not innermost)."""
+    from mindiesd.ops import _layout
+
+    shape, strides = tuple(out.shape), tuple(out.stride())
+    if strides == _layout.contiguous_strides(shape):
+        return (None,)
+    order = _layout._memory_order(shape, strides)
+    if name in _layout.ROW_OPS and order[-1] != len(shape) - 1:
+        return None
+    permuted = _layout.contiguous_strides(tuple(shape[d] for d in order))
+    back = [0] * len(order)
+    for position, dim in enumerate(order):
+        back[dim] = permuted[position]
+    return (tuple(order),) if tuple(back) == strides else None
+
+
+def traced_facts(gm: GraphModule) -> Dict[str, Fact]:
+    """The fused-op nodes of ``gm`` (by name) whose traced values allow the straight call: static shapes, a CPU
+    output in a layout the kernel gives without a copy. Stored with a cached graph, whose loaded nodes carry no
     traced values."""
-    facts: Dict[str, torch.dtype] = {}
+    facts: Dict[str, Fact] = {}
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or target.namespace != "mindiesd":
             continue
         out = node.meta.get("val")
-        if not _static(out) or out.device.type != "cpu" or not _contiguous(out):
+        if not _static(out) or out.device.type != "cpu":
             continue
-        if all(_static(arg.meta.get("val")) for arg in node.all_input_nodes
-               if not isinstance(arg.meta.get("val"), (int, float, bool, list, tuple))):
-            facts[node.name] = out.dtype
+        if not all(_static(arg.meta.get("val")) for arg in node.all_input_nodes
+                   if not isinstance(arg.meta.get("val"), (int, float, bool, list, tuple))):
+            continue
+        plan = _plan(target._opname, out)
+        if plan is not None:
+            facts[node.name] = (out.dtype, plan[0])
     return facts
 
 
-def direct_kernel(node: Node, out_dtype: torch.dtype) -> Optional[Callable[..., Any]]:
-    """A function that runs the fused op of ``node`` (whose output is ``out_dtype``, its traced facts allowing
-    it) straight on its C++ CPU kernel, or None where this process runs the op otherwise (see the module doc)."""
+def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
+    """A function that runs the fused op of ``node`` straight on its C++ CPU kernel (``fact``: its output dtype
+    and memory order, from :func:`traced_facts`), or None where this process runs the op otherwise (see the
+    module doc)."""
     target = node.target
-    from mindiesd.ops import registry
+    out_dtype, order = fact
+    from mindiesd.ops import _layout, registry
     from mindiesd.ops.kernels import cpp, cpp_build
 
     name = target._opname
@@ -113,14 +133,44 @@ def direct_kernel(node: Node, out_dtype: torch.dtype) -> Optional[Callable[..., 
         entry = entry or False  # False: no C++ kernel in this process, the op runs through the dispatcher
         return entry
 
-    if all(kind == "arg" for kind, _ in picks):  # the leading arguments, as the graph passes them
+    def run(fn: Any, values: List[Any]) -> Any:
+        if takes_dtype:
+            values.append(out_dtype)
+        try:
+            return fn(*values)
+        except Exception:  # noqa: BLE001  (the op's own path runs it, or raises its own error)
+            return None
+
+    if order is not None:  # the adapter's permutation, done here: the kernel's row-major result, permuted back
+        if not all(kind == "arg" for kind, _ in picks):
+            return None
+        rank = len(order)
+        inverse = [0] * rank
+        for position, dim in enumerate(order):
+            inverse[dim] = position
+        # as the adapter does: x (a row op's) and the arguments that broadcast against it move with the order
+        moved = set(_layout._TABLE_ARGS[name]) | ({0} if name in _layout.ROW_OPS else set())
+        moved_args = tuple(sorted(i for i in moved if i < count))
+
         def call(*args: Any, **kw: Any) -> Any:
             fn = entry if entry is not None else resolve()
             if fn and not _profiling():
-                try:
-                    result = fn(*args[:count], out_dtype) if takes_dtype else fn(*args[:count])
-                except Exception:  # noqa: BLE001  (the op's own path runs it, or raises its own error)
-                    result = None
+                values = list(args[:count])
+                for i in moved_args:
+                    value = values[i]
+                    if isinstance(value, torch.Tensor):
+                        if value.dim() < rank:
+                            value = value[(None,) * (rank - value.dim())]
+                        values[i] = value.permute(order)
+                result = run(fn, values)
+                if result is not None:
+                    return result.permute(inverse)
+            return overload(*args, **kw)
+    elif all(kind == "arg" for kind, _ in picks):  # the leading arguments, as the graph passes them
+        def call(*args: Any, **kw: Any) -> Any:
+            fn = entry if entry is not None else resolve()
+            if fn and not _profiling():
+                result = run(fn, list(args[:count]))
                 if result is not None:
                     return result
             return overload(*args, **kw)
@@ -128,14 +178,8 @@ def direct_kernel(node: Node, out_dtype: torch.dtype) -> Optional[Callable[..., 
         def call(*args: Any, **kw: Any) -> Any:
             fn = entry if entry is not None else resolve()
             if fn and not _profiling():
-                values = [args[where] if kind == "arg" else kw[where] if kind == "kwarg" else where
-                          for kind, where in picks]
-                if takes_dtype:
-                    values.append(out_dtype)
-                try:
-                    result = fn(*values)
-                except Exception:  # noqa: BLE001
-                    result = None
+                result = run(fn, [args[where] if kind == "arg" else kw[where] if kind == "kwarg" else where
+                                  for kind, where in picks])
                 if result is not None:
                     return result
             return overload(*args, **kw)
@@ -147,7 +191,7 @@ def direct_kernel(node: Node, out_dtype: torch.dtype) -> Optional[Callable[..., 
 class _Source:
     """The generated lines and the globals they read."""
 
-    def __init__(self, gm: GraphModule, facts: Mapping[str, torch.dtype]):
+    def __init__(self, gm: GraphModule, facts: Mapping[str, Fact]):
         self.gm, self.facts = gm, facts
         self.globals: Dict[str, Any] = {"_gm": gm}
         self.names: Dict[Node, str] = {}
@@ -184,8 +228,8 @@ class _Source:
         args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
         if target is operator.getitem and len(node.args) == 2 and not node.kwargs:
             return f"{args[0]}[{args[1]}]"
-        out_dtype = self.facts.get(node.name)
-        fn = direct_kernel(node, out_dtype) if out_dtype is not None else None
+        fact = self.facts.get(node.name)
+        fn = direct_kernel(node, fact) if fact is not None else None
         if fn is not None:
             self.direct += 1
             name = self.bind(fn, "d")
@@ -196,7 +240,7 @@ class _Source:
         return f"{name}({', '.join(args)})"
 
 
-def runner(gm: GraphModule, facts: Optional[Mapping[str, torch.dtype]] = None) -> Callable[..., Any]:
+def runner(gm: GraphModule, facts: Optional[Mapping[str, Fact]] = None) -> Callable[..., Any]:
     """The function that runs ``gm`` (its forward where it cannot be generated). ``facts``: its
     :func:`traced_facts`, where its nodes carry no traced values (a graph loaded from the cache)."""
     try:
@@ -206,7 +250,7 @@ def runner(gm: GraphModule, facts: Optional[Mapping[str, torch.dtype]] = None) -
         return gm.forward
 
 
-def _generate(gm: GraphModule, facts: Mapping[str, torch.dtype]) -> Callable[..., Any]:
+def _generate(gm: GraphModule, facts: Mapping[str, Fact]) -> Callable[..., Any]:
     graph = gm.graph
     if type(graph._codegen) is not torch.fx.graph.CodeGen:
         return gm.forward  # a graph with its own calling convention

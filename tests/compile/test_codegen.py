@@ -98,13 +98,35 @@ def test_a_profiled_call_shows_every_fused_op():
     assert len(names) == sum(counts.values()) == sum(EXPECTED.values())
 
 
-def test_an_output_in_a_layout_of_its_own_keeps_the_adapter():
-    """RMSNorm of a transposed view returns that layout (not contiguous): the op keeps its adapter."""
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_permuted_output_runs_straight_on_permuted_inputs(dtype, monkeypatch):
+    """RMSNorm of a transposed view keeps that layout: the runner permutes the input as the adapter would, calls
+    the kernel and permutes its result back, with eager's strides."""
 
     def fn(x, w):
         return F.rms_norm(x.transpose(1, 2), (D,), w, eps=1e-5) * 2
 
-    x, w = _randn(2, D, 6, D, seed=1), _randn(D, seed=2)
+    x, w = _randn(2, D, 6, D, seed=1).to(dtype), _randn(D, seed=2).to(dtype)
+    actual, expected, counts, backend = run_compiled(fn, x, w)
+    assert counts["rms_norm"] == 1
+    assert codegen.runner(backend.graphs[0]).direct_ops == 1
+    assert_close(actual, expected, dtype)
+    calls = _layout_calls(monkeypatch)
+    with torch.no_grad():
+        again = torch.compile(fn, backend=backend, fullgraph=True)(x, w)
+    assert calls == []
+    assert torch.equal(again, actual)
+    assert again.stride() == expected.stride()
+
+
+def test_an_output_the_adapter_copies_keeps_the_adapter():
+    """The normalised dimension is not innermost: the adapter copies, and the op goes through it."""
+
+    def fn(x, w):
+        return F.rms_norm(x.transpose(1, 2), (D,), w, eps=1e-5) * 2
+
+    x, w = _randn(2, D, 6, seed=1), _randn(D, seed=2)
     actual, expected, counts, backend = run_compiled(fn, x, w)
     assert counts["rms_norm"] == 1
     assert codegen.runner(backend.graphs[0]).direct_ops == 0
