@@ -7,11 +7,13 @@ whose shapes are static (Dynamo guards them) all of that is known when the graph
 here is the same program with that work done once:
 
 * aten ops are called through their C++ handles (``OpOverload._op``, what ``OpOverload.__call__`` calls);
-* a fused op whose kernel on the graph's device is the C++ CPU kernel of :mod:`mindiesd.ops.kernels.cpp`, whose
-  output is contiguous (so the layout adapter would call the kernel straight) and whose shapes are static, calls
-  the C++ entry point directly with its output dtype resolved from the traced output. Where the entry point
-  declines a form (it returns None) or raises, where the process has no C++ kernels, or while a profiler is
-  recording (so that it sees every ``mindiesd::`` op), the op runs through the dispatcher as before;
+* a fused op whose kernel on the graph's device is the C++ CPU kernel of :mod:`mindiesd.ops.kernels.cpp` and
+  whose shapes are static calls the C++ entry point directly, with its output dtype resolved from the traced
+  output. A row-major output is the kernel's result as it is; for an output in another memory order the
+  runner does what the layout adapter would (the input and the arguments that broadcast against it permuted
+  into that order, the result permuted back); where the adapter would copy, the op keeps it. Where the entry
+  point declines a form (it returns None) or raises, where the process has no C++ kernels, or while a profiler
+  is recording (so that it sees every ``mindiesd::`` op), the op runs through the dispatcher as before;
 * every other node runs as the ``GraphModule``'s forward runs it; a value is released after its last use, as
   FX's generated code does.
 
