@@ -30,6 +30,7 @@ STEPS=(
   "flux_tiny_capture|45|python -m mindiesd bench model --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
   "ops_cuda|90|python -m mindiesd bench ops --device cuda --markdown"
   "flux_mid_bf16_gemm|60|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
+  "flux_mid_cat_linear|50|python -m mindiesd bench model --model flux --size mid --device cuda --force cat_linear --ablate --markdown --json $OUT_DIR/flux_mid_cat_linear.json"
   "flux_tiny_inductor|75|python -m mindiesd bench model --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
 )
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import ADALAYERNORM, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..ops.defs import ADALAYERNORM, CAT_LINEAR, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, RMS_NORM, ROPE
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
            "GEMM_FAMILIES", "OP_FAMILIES"]
@@ -87,7 +87,8 @@ class FusionFamily:
 #: overlap: RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
 #: sums apart; rms_norm runs first since its output feeds RoPE; glu runs before linear_gelu and fast_gelu, which
 #: would otherwise take the gate's GELU out of its gated product; linear_gelu runs before fast_gelu, which would
-#: otherwise take the GELU away from its matmul.
+#: otherwise take the GELU away from its matmul; cat_linear runs last, as it replaces a matmul and its input
+#: concatenation that no other family reads.
 FAMILIES: Dict[str, FusionFamily] = {
     f.name: f
     for f in (
@@ -144,6 +145,14 @@ FAMILIES: Dict[str, FusionFamily] = {
             name="mul_add",
             doc="Fuse x * y + z (incl. the residual gate x + gate * y).",
             op=MUL_ADD,
+        ),
+        FusionFamily(
+            name="cat_linear",
+            doc="Fuse a linear layer over a concatenation along the last dimension (Flux's single blocks' "
+                "proj_out(cat([attn, mlp]))) into GEMMs over each input and its block of weight columns, "
+                "accumulated into one output without the concatenation.",
+            op=CAT_LINEAR,
+            group="gemm",
         ),
     )
 }

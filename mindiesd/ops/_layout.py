@@ -9,7 +9,9 @@ them. The rule, the one eager's sequences follow (elementwise ops follow their i
 * ``adalayernorm``: contiguous, as ``layer_norm``'s output is;
 * ``glu``: the layout of ``torch.empty_like(first)``, ``first`` being x, or x's first half along the last dim
   when the op takes x alone (dense strides in x's dimension order): that of eager's ``first * act(second)``;
-* ``linear_gelu``: contiguous, as a linear layer's output is (``x.shape[:-1] + (weight.shape[0],)``);
+* ``linear_gelu``, ``cat_linear``: contiguous, as a linear layer's output is (``x.shape[:-1] +
+  (weight.shape[0],)``; for ``cat_linear`` x is the list of inputs it concatenates, and the first one's leading
+  dimensions count);
 * ``mul_add``: the layout eager's ``x * y + z`` gives (TensorIterator's rule, applied twice), or that of
   ``z + x * y`` with ``addend_first`` (the operand order decides between layouts that differ).
 
@@ -30,7 +32,8 @@ __all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "restride", "c
 #: The output layout rules: ``like_x`` follows ``torch.empty_like(x)``; ``contiguous`` is dense row-major;
 #: ``broadcast`` is the layout eager's ``x * y + z`` gives over the broadcast operands (or ``z + x * y``'s when
 #: the op's argument 3, ``addend_first``, is set); ``gemm`` is the dense row-major
-#: ``x.shape[:-1] + (weight.shape[0],)`` of a linear layer (argument 1 is the weight); ``gated`` is ``like_x`` of
+#: ``x.shape[:-1] + (weight.shape[0],)`` of a linear layer (argument 1 is the weight; argument 0 may be a list of
+#: inputs concatenated along the last dimension); ``gated`` is ``like_x`` of
 #: x's first half along the last dim when argument 1 is None (glu of one tensor), else ``like_x``.
 LAYOUTS = ("like_x", "contiguous", "broadcast", "gemm", "gated")
 
@@ -97,7 +100,9 @@ def _key(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride()
 
 
-def _traced(t: torch.Tensor) -> bool:
+def _traced(t) -> bool:
+    if isinstance(t, (list, tuple)):
+        t = t[0]
     return isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta"
 
 
@@ -121,7 +126,9 @@ def output_layout(op: str, args: Sequence) -> tuple:
     return _like_layout(*_key(args[0]))
 
 
-def _gemm_shape(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+def _gemm_shape(x, weight: torch.Tensor) -> tuple:
+    if isinstance(x, (list, tuple)):  # the inputs of a concatenation
+        x = x[0]
     return (*x.shape[:-1], weight.shape[0])
 
 
@@ -130,7 +137,7 @@ def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
 
     The rule is evaluated on the inputs themselves, so symbolic sizes (``dynamic=True``) stay symbolic.
     """
-    x = args[0]
+    x = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
     layout = _LAYOUT[op]
     if layout == "broadcast":
         product = args[0] * args[1]

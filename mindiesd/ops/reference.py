@@ -13,6 +13,7 @@ autograd needs a gradient.
 from __future__ import annotations
 
 from .defs.adalayernorm import reference as adalayernorm
+from .defs.cat_linear import reference as cat_linear
 from .defs.fast_gelu import reference as fast_gelu
 from .defs.glu import reference as glu
 from .defs.linear_gelu import reference as linear_gelu
@@ -21,4 +22,4 @@ from .defs.rms_norm import reference as rms_norm
 from .defs.rope import full_width
 from .defs.rope import reference as rope
 
-__all__ = ["adalayernorm", "fast_gelu", "full_width", "glu", "linear_gelu", "mul_add", "rms_norm", "rope"]
+__all__ = ["adalayernorm", "cat_linear", "fast_gelu", "full_width", "glu", "linear_gelu", "mul_add", "rms_norm", "rope"]

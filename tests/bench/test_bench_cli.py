@@ -419,15 +419,17 @@ def test_bench_force_and_ablate_measure_each_gemm_rewrite(tmp_path):
 
     path = tmp_path / "rows.json"
     args = build_parser().parse_args(["bench", "--model", "flux", "--force", "merge_projections", "--force",
-                                      "linear_gelu", "--ablate", "--iters", "2", "--warmup", "0", "--cache-dir",
+                                      "linear_gelu", "--force", "cat_linear", "--ablate", "--iters", "2", "--warmup", "0", "--cache-dir",
                                       "off", "--json", str(path), "--quiet"])
     out = io.StringIO()
     assert models.run(args, stdout=out, stderr=io.StringIO()) == 0
     (row,) = json.loads(path.read_text())["rows"]
-    assert row["merge_projections"] == 8 and row["linear_gelu"] == 4 and row["fallbacks"] == 0
+    # tiny Flux: 8 merged groups, 4 GELUs after a linear layer, and the 4 single blocks' proj_out(cat([attn, mlp]))
+    assert row["merge_projections"] == 8 and row["linear_gelu"] == 4 and row["cat_linear"] == 4
+    assert row["fallbacks"] == 0
     assert row["max_rel_err"] <= 1e-5
     assert all(type(row[f"gain_{f}"]) is float and row[f"gain_{f}"] > 0 for f in GEMM_FAMILIES)
-    assert "merge_gain" in out.getvalue() and "lin_gelu_gain" in out.getvalue()
+    assert all(name in out.getvalue() for name in ("merge_gain", "lin_gelu_gain", "cat_lin_gain"))
     assert skip_reason("merge_projections", "cpu") is not None  # the declaration itself is unchanged
 
 

@@ -359,7 +359,7 @@ def test_graph_context_holds_the_per_graph_facts_once_and_cannot_change(tmp_path
         forced = GraphContext.build(gm, inputs, config, frozenset({"linear_gelu"}))
     assert context.weights == (1, 2) and context.adapters == {2} and context.rewritable_weights == (1,)
     assert context.device_type == "cpu" and not context.training and context.why_not_frozen(3) is None
-    assert set(context.skipped) == {"merge_projections", "linear_gelu"}
+    assert set(context.skipped) == {"merge_projections", "linear_gelu", "cat_linear"}
     assert not set(context.families) & set(context.skipped)
     assert context.key is not None and context.cache is not None and context.cache.root == tmp_path
     assert "linear_gelu" in forced.families and forced.key != context.key, "the forced family is in the key"

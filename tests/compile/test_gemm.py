@@ -1,6 +1,7 @@
-"""The GEMM rewrites: merged projections (``merge_projections``) and the GELU epilogue (``linear_gelu``).
+"""The GEMM rewrites: merged projections (``merge_projections``), the GELU epilogue (``linear_gelu``) and the
+linear layer over a concatenation (``cat_linear``).
 
-Both are off on CPU by default (measured: no gain on the CPUs tried, README "GEMM rewrites"); the tests declare
+All are off on CPU by default (measured: no gain on the CPUs tried, README "GEMM rewrites"); the tests declare
 them fast on CPU (``MindieSDBackend(force_fast=...)``) to check the rewrites themselves: what is rewritten (counted in
 the final graph), what is left alone, the numerics against eager per dtype, and weights changed after compiling.
 """
@@ -18,6 +19,7 @@ from fusion_utils import TOLERANCE, assert_close, count_fused
 from mindiesd.compilation import families
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
 from mindiesd.ops.kernels import gemm as _gemm
+from mindiesd.zoo._base import modules_named
 
 aten = torch.ops.aten
 
@@ -347,10 +349,133 @@ def test_force_fast_names_known_families_and_does_not_invent_a_kernel():
         skip_reason("rope", "cpu", force={"nope"})
 
 
+# ----------------------------------------------------------------------------------------------- cat_linear
+class CatProjection(torch.nn.Module):
+    """Flux's single-block tail: ``proj_out(cat([attn, gelu(proj_mlp(x))], -1))``, optionally with a third input,
+    2-D inputs, the concatenation along another dimension, or the concatenation also returned."""
+
+    def __init__(self, d=32, mlp=96, out=48, bias=True, third=False, dim=-1, leak=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn, self.mlp = torch.nn.Linear(d, d), torch.nn.Linear(d, mlp)
+        width = (d + mlp + (d if third else 0)) if dim == -1 else d
+        self.proj = torch.nn.Linear(width, out, bias=bias)
+        self.third, self.dim, self.leak = third, dim, leak
+
+    def forward(self, x):
+        parts = [self.attn(x), F.gelu(self.mlp(x), approximate="tanh")]
+        if self.dim != -1:
+            parts = [parts[0], parts[1][..., : parts[0].shape[-1]]]
+        if self.third:
+            parts.append(x * 2)
+        joined = torch.cat(parts, self.dim)
+        out = self.proj(joined)
+        return (out, joined) if self.leak else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", ["bias", "no_bias", "three_inputs", "2d"])
+def test_linear_over_a_concatenation_becomes_cat_linear(dtype, form):
+    model = CatProjection(bias=form != "no_bias", third=form == "three_inputs").to(dtype).eval()
+    x = torch.randn(*((40,) if form == "2d" else (2, 24)), 32, dtype=dtype)
+    with forced("cat_linear"):
+        out, _, backend = compile_run(model, x)
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) == 1
+    assert calls(backend, aten.cat.default) == 0, "the concatenation is not written"
+    assert backend.report().records[0].matches["cat_linear"] == 1
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cat_linear_leaves_16_bit_graphs_to_eager_rounding(dtype):
+    """In 16-bit the output would hold a rounded partial sum: one rounding more than eager's single GEMM."""
+    model = CatProjection().to(dtype).eval()
+    x = torch.randn(2, 24, 32, dtype=dtype)
+    with forced("cat_linear"):
+        out, _, backend = compile_run(model, x)
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) == 0 and calls(backend, aten.cat.default) == 1
+    with torch.no_grad():
+        assert_close(out, model(x), dtype)
+
+
+@pytest.mark.parametrize("case", ["other_dim", "concatenation_returned", "few_rows"])
+def test_cat_linear_leaves_what_it_cannot_replace(case):
+    model = CatProjection(dim=0 if case == "other_dim" else -1, leak=case == "concatenation_returned").eval()
+    x = torch.randn(*((1, 4) if case == "few_rows" else (2, 24)), 32)
+    with forced("cat_linear"):
+        out, _, backend = compile_run(model, x)
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) == 0 and calls(backend, aten.cat.default) == 1
+    with torch.no_grad():
+        assert_close(out, model(x), torch.float32)
+
+
+def test_cat_linear_reads_the_weight_as_it_is_after_an_in_place_change():
+    """The weight's column blocks are views taken by the kernel: nothing derived from the weight is folded."""
+    model, x = CatProjection().eval(), torch.randn(2, 24, 32)
+    with forced("cat_linear"):
+        _, compiled, backend = compile_run(model, x)
+    with torch.no_grad():
+        model.proj.weight.mul_(-0.5)
+        model.proj.bias.add_(1.0)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) >= 1
+
+
+def test_cat_linear_with_dynamic_rows():
+    model = CatProjection().eval()
+    with forced("cat_linear"):
+        out, compiled, backend = compile_run(model, torch.randn(2, 24, 32), dynamic=True)
+        with torch.no_grad():
+            for rows in (24, 37):
+                x = torch.randn(2, rows, 32)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) >= 1 and backend.report().graphs == 1
+
+
+def test_cat_linear_kernels_and_checks():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 24, generator=g)]
+    w, b = torch.randn(16, 32, generator=g), torch.randn(16, generator=g)
+    for kernel in (_gemm.cat_linear_cpu, _gemm.cat_linear_cuda):
+        for bias in (b, None):
+            expected = F.linear(torch.cat(xs, -1), w, bias)
+            torch.testing.assert_close(kernel(xs, w, bias), expected, rtol=1e-5, atol=1e-5)
+    bf16 = [x.bfloat16() for x in xs]
+    # 16-bit: the concatenation and one GEMM, bit for bit eager's
+    torch.testing.assert_close(_gemm.cat_linear_cpu(bf16, w.bfloat16(), b.bfloat16()),
+                               F.linear(torch.cat(bf16, -1), w.bfloat16(), b.bfloat16()), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="two or more"):
+        torch.ops.mindiesd.cat_linear([xs[0]], w[:, :8], None)
+    with pytest.raises(ValueError, match=r"must be \[out_features, 32\]"):
+        torch.ops.mindiesd.cat_linear(xs, w[:, :30], None)
+    with pytest.raises(ValueError, match="agree in every dimension but the last"):
+        torch.ops.mindiesd.cat_linear([xs[0], xs[1][:2]], w, None)
+    with pytest.raises(ValueError, match="share a dtype"):
+        torch.ops.mindiesd.cat_linear(xs, w.double(), None)
+    with pytest.raises(ValueError, match="bias"):
+        torch.ops.mindiesd.cat_linear(xs, w, torch.randn(15))
+
+
 # ------------------------------------------------------------------------------------------------- the models
 #: merged matmuls in the tiny core models: Flux (2 double blocks: image q/k/v, context q/k/v; 4 single blocks:
 #: q/k/v + proj_mlp), SD3 (2 joint blocks: image and context q/k/v), Wan (2 blocks: self q/k/v, cross k/v)
 MERGED = {"flux": 8, "sd3": 4, "wan": 4}
+
+
+#: linear layers over a concatenation with enough rows: the single blocks' proj_out(cat([attn, mlp])) (Flux,
+#: Chroma, Flux2, HunyuanVideo) and Chroma's approximator, whose in_proj reads the concatenated timestep, guidance
+#: and modulation-index embeddings (one row per modulation index). The timestep embeddings' linear_1(cat([sin,
+#: cos])) has one row per sample and is left alone.
+CAT_LINEARS = {
+    "flux": lambda m: len(modules_named(m, "FluxSingleTransformerBlock")),
+    "sd3": lambda m: 0,
+    "wan": lambda m: 0,
+    "chroma": lambda m: len(modules_named(m, "ChromaSingleTransformerBlock", "ChromaApproximator")),
+    "flux2": lambda m: len(modules_named(m, "Flux2SingleTransformerBlock")),
+    "hunyuan_video": lambda m: len(modules_named(m, "HunyuanVideoSingleTransformerBlock")),
+}
 
 
 def _compiled(case):
@@ -373,15 +498,33 @@ def test_gemm_rewrites_on_the_core_models(name):
     with torch.no_grad():
         expected = case.model(**case.inputs)[0]
     default = count_fused(_compiled(case)[1])
-    with forced("merge_projections", "linear_gelu"):
+    with forced("merge_projections", "linear_gelu", "cat_linear"):
         actual, backend = _compiled(case)
     record = backend.report().records[0]
     counts = count_fused(backend)
     assert record.matches["merge_projections"] == MERGED[name] and backend.report().graphs == 1
+    assert record.matches["cat_linear"] == CAT_LINEARS[name](case.model)
     # the other families fuse as before; a GELU after an unmerged linear moves to linear_gelu
     assert {f: counts[f] for f in counts if f != "fast_gelu"} == {f: default[f] for f in default if f != "fast_gelu"}
     assert record.matches["linear_gelu"] + counts["fast_gelu"] == default["fast_gelu"]
     assert calls(backend, torch.ops.mindiesd.linear_gelu.default) == record.matches["linear_gelu"]
+    assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["chroma", "flux2", "hunyuan_video"])
+def test_cat_linear_on_the_models_with_single_blocks(name):
+    from mindiesd import zoo
+
+    case = zoo.build(name, "tiny")
+    with torch.no_grad():
+        expected = case.model(**case.inputs)[0]
+    with forced("cat_linear"):
+        actual, backend = _compiled(case)
+    sites = CAT_LINEARS[name](case.model)
+    assert sites > 0 and backend.report().graphs == 1
+    assert backend.report().records[0].matches["cat_linear"] == sites
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) == sites
     assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 
@@ -407,6 +550,21 @@ def test_linear_gelu_cuda_kernel_and_rewrites_on_the_gpu(dtype):
             with torch.no_grad():
                 assert_close(out, module(xs), dtype)
     assert backend.report().records[0].matches["linear_gelu"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cat_linear_cuda_kernel_and_rewrite_on_the_gpu():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 48, generator=g).cuda(), torch.randn(64, 80, generator=g).cuda()]
+    w, b = (torch.randn(96, 128, generator=g) * 0.1).cuda(), torch.randn(96, generator=g).cuda()
+    torch.testing.assert_close(_gemm.cat_linear_cuda(xs, w, b), F.linear(torch.cat(xs, -1), w, b),
+                               rtol=1e-4, atol=1e-4)
+    model, x = CatProjection().cuda().eval(), torch.randn(2, 24, 32, device="cuda")
+    with forced_on("cuda", "cat_linear"):
+        out, _, backend = compile_run(model, x)
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
 
 
 def forced_on(device_type, *names):

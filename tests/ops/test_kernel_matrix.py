@@ -90,6 +90,13 @@ CASES = {
         "no_bias_2d": lambda dt: (randn(7, 32, dtype=dt), (randn(24, 32, seed=1, dtype=torch.float32) * 0.2).to(dt),
                                   None),
     },
+    "cat_linear": {
+        "bias": lambda dt: ([randn(2, 5, 16, dtype=dt), randn(2, 5, 24, dtype=dt, seed=1)],
+                            (randn(24, 40, seed=2, dtype=torch.float32) * 0.2).to(dt), randn(24, dtype=dt, seed=3)),
+        "three_2d_no_bias": lambda dt: ([randn(7, 8, dtype=dt), randn(7, 16, dtype=dt, seed=1),
+                                         randn(7, 8, dtype=dt, seed=2)],
+                                        (randn(12, 32, seed=3, dtype=torch.float32) * 0.2).to(dt), None),
+    },
     "mul_add": {
         "gate": lambda dt: (randn(2, 1, 32, dtype=dt), randn(2, 9, 32, dtype=dt, seed=1),
                             randn(2, 9, 32, dtype=dt, seed=2), False),
@@ -166,6 +173,12 @@ def _declared(implementation, op):
     return device in kernels
 
 
+def _double(arg):
+    if isinstance(arg, (list, tuple)):
+        return [_double(a) for a in arg]
+    return arg.double() if isinstance(arg, torch.Tensor) else arg
+
+
 def _matrix():
     for op, cases in CASES.items():
         for case in cases:
@@ -179,7 +192,7 @@ def test_matrix(implementation, op, case, dtype, request):
     args = CASES[op][case](dtype)
     run = _kernel(implementation, op, request)
     out = run(*args)
-    expected = getattr(reference, op)(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    expected = getattr(reference, op)(*[_double(a) for a in args])
     expected_dtype = getattr(reference, op)(*args).dtype
     assert out.dtype == expected_dtype and out.shape == expected.shape
     assert out.stride() == output_layout(op, args)[1], "the layout rule's strides"

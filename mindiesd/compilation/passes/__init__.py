@@ -8,6 +8,7 @@ from typing import Dict, Type
 from ..families import FAMILIES
 from .adalayernorm import AdaLayerNormPass
 from .base import FusionPass, Rule
+from .cat_linear import CatLinearPass
 from .fast_gelu import FastGeluPass
 from .glu import GluPass
 from .linear_gelu import LinearGeluPass
@@ -17,7 +18,7 @@ from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
 _CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, AdaLayerNormPass, GluPass,
-                                        LinearGeluPass, FastGeluPass, MulAddPass)}
+                                        LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")
 

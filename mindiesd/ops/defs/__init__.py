@@ -7,5 +7,6 @@ from .glu import GLU
 from .linear_gelu import LINEAR_GELU
 from .fast_gelu import FAST_GELU
 from .mul_add import MUL_ADD
+from .cat_linear import CAT_LINEAR
 
-__all__ = ["RMS_NORM", "ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU", "FAST_GELU", "MUL_ADD"]
+__all__ = ["RMS_NORM", "ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU", "FAST_GELU", "MUL_ADD", "CAT_LINEAR"]
