@@ -279,6 +279,20 @@ def test_rope_strided_tables_and_inputs(cpp, dtype, interleaved):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_reads_float64_tables_for_a_float32_or_16_bit_output(cpp, dtype):
+    """Lumina2's complex128 freqs_cis as real pairs (float64, last-dim stride 2); eager's product is complex128,
+    cast back to x's dtype. A float64 output stays with the composition."""
+    x = randn(2, 24, 4, 32, dtype=dtype)
+    pairs = torch.view_as_real(torch.polar(torch.ones(2, 24, 1, 16, dtype=torch.float64),
+                                           randn(2, 24, 1, 16, seed=1).double() * 10))
+    cos, sin = pairs[..., 0], pairs[..., 1]
+    out = check(cpp, "rope", (x, cos, sin, True, dtype), dtype)
+    eager = torch.view_as_real(torch.view_as_complex(x.float().unflatten(-1, (16, 2))) * torch.complex(cos, sin))
+    assert_matches(out, eager.flatten(-2).to(dtype), dtype)
+    check(cpp, "rope", (x, cos, sin, True), torch.float64, covered=False)  # promoted: float64 output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_matches_flux_formula(cpp, dtype):
     x = randn(1, 64, 4, 128, dtype=dtype)
     pairs_cos, pairs_sin = randn(1, 64, 1, 64, seed=1), randn(1, 64, 1, 64, seed=2)

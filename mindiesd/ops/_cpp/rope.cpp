@@ -98,6 +98,14 @@ void rope_half_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, Ten
   for_each_row<TO, TX, float, float>(out, {&x, &cos, &sin}, body);
 }
 
+// A rotation table the kernels read: a row table of a covered float dtype, or float64 (Lumina2's complex128
+// freqs_cis seen as real pairs) read as float32 when the output is float32 or 16-bit (a float64 output is left to
+// the composition): the tables' rounding moves the result by about one float32 step of its largest value.
+inline bool covers_rope_table(const Tensor& t, const Tensor& x) {
+  return on_cpu(t) && (is_covered_float(t.scalar_type()) || t.scalar_type() == ScalarType::Double) &&
+         broadcasts_into_rows(t, x.sizes());
+}
+
 }  // namespace
 
 std::optional<Tensor> rope(
@@ -112,7 +120,7 @@ std::optional<Tensor> rope(
   // Tables of one value per pair stay compact unless the other table is full width.
   bool per_pair = width > 0;
   for (const Tensor* t : {&cos_in, &sin_in}) {
-    if (t->dim() < 1 || !covers_row_table(*t, x_in)) {
+    if (t->dim() < 1 || !covers_rope_table(*t, x_in)) {
       return std::nullopt;
     }
     const int64_t last = t->size(-1);
