@@ -30,7 +30,7 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .families import check_known
 from . import cache as graph_cache
-from .codegen import runner, traced_facts
+from .codegen import compiled_code, runner, traced_facts
 from .config import CompilationConfig
 from .context import GraphContext
 from .device_graph import DeviceGraphRunner, wrap_for_capture
@@ -185,6 +185,8 @@ class CompiledGraph:
     cache: str = "off"
     #: Why it cannot be stored (aot's runtime wrapper does more than call it), or None.
     not_cacheable: Optional[str] = None
+    #: The generated runner of ``main`` (``codegen.runner``), whose compiled code a stored entry keeps.
+    code: Optional[Callable[..., Any]] = None
 
 
 @dataclass(frozen=True)
@@ -276,8 +278,9 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
         log.debug("removed %d copies of computed values", dropped)
     target.graph.eliminate_dead_code()
     target.recompile()
+    forward = runner(target)
     return CompiledGraph(
-        run=split.bind(runner(target)) if split is not None else runner(target), main=target, frozen=split,
+        run=split.bind(forward) if split is not None else forward, main=target, frozen=split, code=forward,
         n_folded=split.n_folded if split is not None else 0, matches=matches, rules=passes.rule_hits(),
         skipped={**context.skipped, **frozen.skipped},
         nodes_after=_node_count(target) + (_node_count(split.fold) if split is not None else 0),
@@ -303,6 +306,7 @@ def cached_entry(compiled: CompiledGraph) -> graph_cache.CachedGraph:
         main_inputs=list(split.main_inputs) if split is not None else [], n_folded=compiled.n_folded,
         matches=dict(compiled.matches), rules=dict(compiled.rules), skipped=dict(compiled.skipped),
         nodes_after=compiled.nodes_after, direct=traced_facts(compiled.main),
+        runner_code=compiled_code(compiled.code) if compiled.code is not None else None,
     )
 
 

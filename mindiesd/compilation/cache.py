@@ -83,6 +83,8 @@ class CachedGraph:
     nodes_after: int = 0
     #: The fused ops of ``main`` whose C++ kernels its runner may call straight (``codegen.traced_facts``).
     direct: Dict[str, torch.dtype] = field(default_factory=dict)
+    #: The runner's compiled code (``codegen.compiled_code``), or None: a load then compiles the generated text.
+    runner_code: Optional[Tuple[str, bytes]] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -93,6 +95,7 @@ class CachedGraph:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         state.setdefault("direct", {})  # stored before the runner existed: its fused ops use the dispatcher
+        state.setdefault("runner_code", None)
         state["main"] = stored_graph.graph_module(state["main"])
         state["fold"] = None if state["fold"] is None else stored_graph.graph_module(state["fold"])
         self.__dict__.update(state)
@@ -287,9 +290,9 @@ def runnable(entry: CachedGraph) -> Callable[..., Any]:
 
     if entry.fold is not None:
         frozen = FrozenGraph(entry.fold, entry.main, list(entry.fold_inputs), list(entry.main_inputs), entry.n_folded)
-        run_graph = frozen.bind(runner(entry.main, entry.direct))
+        run_graph = frozen.bind(runner(entry.main, entry.direct, entry.runner_code))
     else:
-        frozen, run_graph = None, runner(entry.main, entry.direct)
+        frozen, run_graph = None, runner(entry.main, entry.direct, entry.runner_code)
 
     def run(*args: Any) -> Any:
         with torch.no_grad():

@@ -18,13 +18,17 @@ here is the same program with that work done once:
   FX's generated code does.
 
 The graph itself is not changed: it is what is inspected (``MindieSDBackend(keep_graphs=True)``), counted and
-stored. Any failure to generate gives the graph's own forward.
+stored. Any failure to generate gives the graph's own forward. The compiled code object is stored with a cached
+graph (:func:`compiled_code`), so a load skips Python's ``compile`` of the generated text (most of the generation's
+cost: 5.6 of 8.8 ms for mid Flux's 570 nodes) when the text it generates is the one stored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
+import marshal
 import math
 import operator
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -34,7 +38,10 @@ from torch.fx import GraphModule, Node
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["runner", "direct_kernel", "traced_facts"]
+__all__ = ["runner", "direct_kernel", "traced_facts", "compiled_code"]
+
+#: (sha256 of the generated text, the marshalled code object compiled from it): what a cached graph stores.
+CompiledCode = Tuple[str, bytes]
 
 _profiling = torch._C._autograd._profiler_enabled
 
@@ -242,17 +249,37 @@ class _Source:
         return f"{name}({', '.join(args)})"
 
 
-def runner(gm: GraphModule, facts: Optional[Mapping[str, Fact]] = None) -> Callable[..., Any]:
+def runner(gm: GraphModule, facts: Optional[Mapping[str, Fact]] = None,
+           code: Optional[CompiledCode] = None) -> Callable[..., Any]:
     """The function that runs ``gm`` (its forward where it cannot be generated). ``facts``: its
-    :func:`traced_facts`, where its nodes carry no traced values (a graph loaded from the cache)."""
+    :func:`traced_facts`, where its nodes carry no traced values (a graph loaded from the cache); ``code``: the
+    :func:`compiled_code` stored with it, used when the generated text is the one it was compiled from."""
     try:
-        return _generate(gm, traced_facts(gm) if facts is None else facts)
+        return _generate(gm, traced_facts(gm) if facts is None else facts, code)
     except Exception as exc:  # noqa: BLE001  (the graph's own forward is always correct)
         log.debug("straight-line code not generated (%s: %s); the graph's forward runs", type(exc).__name__, exc)
         return gm.forward
 
 
-def _generate(gm: GraphModule, facts: Mapping[str, Fact]) -> Callable[..., Any]:
+def compiled_code(run: Callable[..., Any]) -> Optional[CompiledCode]:
+    """What a cached graph stores of the runner ``run``: the digest of its text and its code object, marshalled
+    (None for a graph's own forward)."""
+    module_code = getattr(run, "module_code", None)
+    if module_code is None:
+        return None
+    return run.digest, marshal.dumps(module_code)
+
+
+def _module_code(text: str, digest: str, stored: Optional[CompiledCode], filename: str):
+    if stored is not None and stored[0] == digest:
+        try:
+            return marshal.loads(stored[1])
+        except (EOFError, ValueError, TypeError) as exc:  # a damaged entry: compile the text again
+            log.debug("stored runner code not loaded (%s); compiling it", exc)
+    return compile(text, filename, "exec")
+
+
+def _generate(gm: GraphModule, facts: Mapping[str, Fact], stored: Optional[CompiledCode] = None) -> Callable[..., Any]:
     graph = gm.graph
     if type(graph._codegen) is not torch.fx.graph.CodeGen:
         return gm.forward  # a graph with its own calling convention
@@ -292,9 +319,12 @@ def _generate(gm: GraphModule, facts: Mapping[str, Fact]) -> Callable[..., Any]:
             body.append(" = ".join(dead) + " = None")
     code = "def forward(" + ", ".join(params) + "):\n" + "".join(f"    {line}\n" for line in body)
     namespace = dict(source.globals)
-    exec(compile(code, f"<mindiesd runner {id(gm):x}>", "exec"), namespace)  # noqa: S102  (generated here)
+    digest = hashlib.sha256(code.encode()).hexdigest()
+    module_code = _module_code(code, digest, stored, f"<mindiesd runner {id(gm):x}>")
+    exec(module_code, namespace)  # noqa: S102  (generated here, or stored from the same text)
     forward = namespace["forward"]
     forward.source = code  # type: ignore[attr-defined]
+    forward.digest, forward.module_code = digest, module_code  # type: ignore[attr-defined]
     forward.direct_ops = source.direct  # type: ignore[attr-defined]
     return forward
 

@@ -194,6 +194,42 @@ def test_cache_hits_run_the_generated_code(tmp_path, monkeypatch):
         assert calls == []
 
 
+def test_a_cache_hit_runs_the_stored_code_without_compiling_the_text(tmp_path, monkeypatch):
+    args = _inputs(torch.float32)
+    config = CompilationConfig(cache_dir=str(tmp_path))
+    with torch.no_grad():
+        expected = torch.compile(block, backend=MindieSDBackend(config), fullgraph=True)(*args)
+    torch._dynamo.reset()
+    compiled_texts = []
+    real_compile = compile
+
+    def counting(text, *rest, **kwargs):
+        compiled_texts.append(text)
+        return real_compile(text, *rest, **kwargs)
+
+    monkeypatch.setattr(codegen, "compile", counting, raising=False)
+    second = MindieSDBackend(config, keep_graphs=True)
+    with torch.no_grad():
+        actual = torch.compile(block, backend=second, fullgraph=True)(*args)
+    assert [r.cache for r in second.report().records] == ["hit"]
+    assert compiled_texts == [] and torch.equal(actual, expected)
+
+
+def test_stored_code_of_another_text_or_damaged_is_compiled_again(monkeypatch):
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 2.0))
+    run = codegen.runner(gm)
+    digest, data = codegen.compiled_code(run)
+    x = torch.randn(3)
+    compiled_texts = []
+    real_compile = compile
+    monkeypatch.setattr(codegen, "compile", lambda text, *a: compiled_texts.append(text) or real_compile(text, *a),
+                        raising=False)
+    assert torch.equal(codegen.runner(gm, code=(digest, data))(x), x * 2) and compiled_texts == []
+    for stored in (("another text", data), (digest, data[:5])):
+        assert torch.equal(codegen.runner(gm, code=stored)(x), x * 2)
+    assert len(compiled_texts) == 2 and codegen.compiled_code(gm.forward) is None
+
+
 @needs_cpp
 def test_forms_the_cpp_kernel_declines_run_through_the_dispatcher(monkeypatch):
     """float64: the C++ entry points return None, and the op's own path (the aten composition) runs."""
