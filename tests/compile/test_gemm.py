@@ -411,6 +411,26 @@ def test_cat_linear_leaves_what_it_cannot_replace(case):
         assert_close(out, model(x), torch.float32)
 
 
+class RegroupedCat(torch.nn.Module):
+    """A linear layer over a concatenation viewed as rows of another width: not a split along the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, a, b):
+        return F.linear(torch.cat([a, b], -1).reshape(-1, 16), self.weight)
+
+
+def test_cat_linear_leaves_a_concatenation_regrouped_into_other_rows():
+    model, a, b = RegroupedCat().eval(), torch.randn(2, 24, 16), torch.randn(2, 24, 16)
+    with forced("cat_linear"):
+        out, _, backend = compile_run(model, a, b)  # strict: a failed rewrite would raise
+    assert calls(backend, torch.ops.mindiesd.cat_linear.default) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(a, b), rtol=1e-5, atol=1e-5)
+
+
 def test_cat_linear_reads_the_weight_as_it_is_after_an_in_place_change():
     """The weight's column blocks are views taken by the kernel: nothing derived from the weight is folded."""
     model, x = CatProjection().eval(), torch.randn(2, 24, 32)

@@ -11,8 +11,9 @@ read its column blocks as views, so a weight replaced in place or hot-swapped is
 Fused only when the concatenation and its view are read by the linear layer alone, the inputs, weight and bias
 share one dtype, float32 or float64, the inputs' widths are static, and the rows are not known to be fewer than
 :data:`MIN_ROWS` (a timestep embedding's ``linear_1(cat([sin, cos]))`` has one row per sample: its GEMM is a
-matrix-vector product that reads the whole weight either way, and the split only adds a call). In bfloat16 and float16 the output would
-hold the partial sum between the GEMMs, one more rounding than eager's single GEMM, so those are left alone.
+matrix-vector product that reads the whole weight either way, and the split only adds a call). In bfloat16 and
+float16 the output would hold the partial sum between the GEMMs, one more rounding than eager's single GEMM, so
+those are left alone.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _check(m, root):
         return "the bias is not a 1-D tensor of the inputs' dtype"
     if not all(isinstance(v.shape[-1], int) for v in values):
         return "an input's width is symbolic"
+    if w.shape[1] != sum(v.shape[-1] for v in values):
+        return "the GEMM's inner dimension is not the concatenation's width (the view regroups it)"
     out = tensor_val(root)
     if out is None or out.dim() != 2 or not isinstance(out.shape[1], int):
         return "the linear layer's output is not 2-D with a static width"
