@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import os
 import queue
 import statistics
@@ -108,7 +109,9 @@ class DistributedJobError(RuntimeError):
 
 def _worker(rank: int, world_size: int, port: int, device_type: str, threads: Optional[int], env: Dict[str, str],
             timeout: float, inbox: Any, outbox: Any) -> None:
-    """The loop of one spawned rank: join the group, then run each ``(fn, args)`` from ``inbox`` until None."""
+    """The loop of one spawned rank: join the group, then run each ``(fn, args)`` from ``inbox`` until None. A rank
+    that crashes (a signal such as SIGSEGV) writes its Python stack to its stderr first."""
+    faulthandler.enable()
     os.environ.update(env)
     from ..compilation import CompilationConfig
 
@@ -216,7 +219,8 @@ class World:
                 if dead or late:
                     waiting = [r for r in range(self.world_size) if r not in results and r not in errors]
                     self.close()
-                    cause = f"{', '.join(dead)} died" if dead else f"no answer within {timeout:.0f} s"
+                    cause = (f"{', '.join(dead)} died (a crashed rank's Python stack is on its stderr)" if dead
+                             else f"no answer within {timeout:.0f} s")
                     raise DistributedJobError(f"{what}: {cause}; waiting for ranks {waiting}"
                                               + "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items()))
                 continue

@@ -637,3 +637,19 @@ def test_summarize_takes_the_slowest_rank_per_iteration():
     assert (total["rank"], total["eager_ms"], total["mindiesd_ms"]) == ("all", 20, 6)
     assert (total["compile_s"], total["max_rel_err"], total["collectives"]) == (2.0, 2e-7, {"all_to_all_single": 4})
     assert "samples" not in rows[0]
+
+
+def job_crash():
+    """A rank that dies of a signal, as a native crash would."""
+    import faulthandler
+
+    faulthandler._sigsegv()
+
+
+def test_a_rank_that_crashes_is_named_and_leaves_its_python_stack(capfd):
+    """The error names the rank and its exit code; faulthandler wrote the rank's Python stack to its stderr."""
+    with World(1, "cpu", threads=1, env={"MINDIESD_CACHE_DIR": "off"}, timeout=60) as crashing:
+        with pytest.raises(bench_distributed.DistributedJobError, match=r"rank 0 \(exit code -11\) died"):
+            crashing.run(job_crash, timeout=60)
+    stderr = capfd.readouterr().err
+    assert "Segmentation fault" in stderr and "job_crash" in stderr, stderr[-2000:]
