@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import ADALAYERNORM, CAT_LINEAR, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, RMS_NORM, ROPE
+from ..ops.defs import ADALAYERNORM, CAT_LINEAR, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
            "GEMM_FAMILIES", "OP_FAMILIES"]
@@ -85,7 +85,8 @@ class FusionFamily:
 #: Family name -> declaration, in the order the passes run. The ``freeze`` stage runs first (before the graph
 #: is split into fold and main graphs), then the ``fusion`` stage in this order. Order matters where forms
 #: overlap: RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
-#: sums apart; rms_norm runs first since its output feeds RoPE; glu runs before linear_gelu and fast_gelu, which
+#: sums apart; rms_norm runs first since its output feeds RoPE, and norm_rope after both, as it joins their ops
+#: (and the concatenation between them) into one; glu runs before linear_gelu and fast_gelu, which
 #: would otherwise take the gate's GELU out of its gated product; linear_gelu runs before fast_gelu, which would
 #: otherwise take the GELU away from its matmul; cat_linear runs last, as it replaces a matmul and its input
 #: concatenation that no other family reads.
@@ -118,6 +119,13 @@ FAMILIES: Dict[str, FusionFamily] = {
             name="rope",
             doc="Fuse rotary position embeddings (interleaved, half-rotated, Wan's strided, complex, 2x2 matrix).",
             op=ROPE,
+        ),
+        FusionFamily(
+            name="norm_rope",
+            doc="Fuse a query/key RMSNorm with the RoPE after it, through joint attention's concatenation of the "
+                "text and image streams: one op writes each stream's normalised, rotated rows into its slice of "
+                "the tensor attention reads (needs enable_rms_norm and enable_rope, whose ops it joins).",
+            op=NORM_ROPE,
         ),
         FusionFamily(
             name="adalayernorm",

@@ -61,6 +61,9 @@ class PassManager:
             start = time.perf_counter()
             matches[fusion.family] = fusion(gm, *extra)
             seconds = time.perf_counter() - start
+            for family, joined in getattr(fusion, "consumed", {}).items():  # ops a later pass joined into its own
+                if family in matches:
+                    matches[family] -= joined
             if debug:
                 log.debug("pass %s: %d fused in %.3f s\n--- before ---\n%s\n--- after ---\n%s",
                           fusion.family, matches[fusion.family], seconds, before, graph_text(gm))

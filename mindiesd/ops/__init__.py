@@ -16,11 +16,12 @@ import warnings
 import torch
 
 from . import kernels, reference, registry  # noqa: F401  (kernels registers the CPU, GEMM and NPU kernels)
-from .defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
+from .defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from .defs.adalayernorm import public as adalayernorm
 from .defs.fast_gelu import public as fast_gelu
 from .defs.glu import public as glu
 from .defs.mul_add import public as mul_add
+from .defs.norm_rope import public as norm_rope
 from .defs.rms_norm import public as rms_norm
 from .defs.rope import public as rope
 from .registry import register_device_kernel
@@ -31,6 +32,7 @@ __all__ = [
     "fast_gelu",
     "glu",
     "mul_add",
+    "norm_rope",
     "reference",
     "register_device_kernel",
     "rms_norm",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 #: The Triton kernels' ops: declared here, as the module is only imported where CUDA and Triton exist.
-for _op in (RMS_NORM, ROPE, ADALAYERNORM, GLU, FAST_GELU, MUL_ADD):
+for _op in (RMS_NORM, ROPE, NORM_ROPE, ADALAYERNORM, GLU, FAST_GELU, MUL_ADD):
     registry.declare_kernel(_op, "cuda", note="Triton")
 
 

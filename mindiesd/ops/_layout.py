@@ -12,6 +12,7 @@ them. The rule, the one eager's sequences follow (elementwise ops follow their i
 * ``linear_gelu``, ``cat_linear``: contiguous, as a linear layer's output is (``x.shape[:-1] +
   (weight.shape[0],)``; for ``cat_linear`` x is the list of inputs it concatenates, and the first one's leading
   dimensions count);
+* ``norm_rope``: contiguous, of the shape of the concatenation of its inputs (argument 0) along argument 1;
 * ``mul_add``: the layout eager's ``x * y + z`` gives (TensorIterator's rule, applied twice), or that of
   ``z + x * y`` with ``addend_first`` (the operand order decides between layouts that differ).
 
@@ -27,15 +28,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "restride", "conform", "ROW_OPS"]
+__all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "concat_shape", "restride", "conform", "ROW_OPS"]
 
 #: The output layout rules: ``like_x`` follows ``torch.empty_like(x)``; ``contiguous`` is dense row-major;
 #: ``broadcast`` is the layout eager's ``x * y + z`` gives over the broadcast operands (or ``z + x * y``'s when
 #: the op's argument 3, ``addend_first``, is set); ``gemm`` is the dense row-major
 #: ``x.shape[:-1] + (weight.shape[0],)`` of a linear layer (argument 1 is the weight; argument 0 may be a list of
 #: inputs concatenated along the last dimension); ``gated`` is ``like_x`` of
-#: x's first half along the last dim when argument 1 is None (glu of one tensor), else ``like_x``.
-LAYOUTS = ("like_x", "contiguous", "broadcast", "gemm", "gated")
+#: x's first half along the last dim when argument 1 is None (glu of one tensor), else ``like_x``; ``concat`` is
+#: the dense row-major ``cat(x, dim)`` of the list x (argument 0) along dim (argument 1).
+LAYOUTS = ("like_x", "contiguous", "broadcast", "gemm", "gated", "concat")
 
 #: Ops that work along the last dimension: a permutation may move every dimension but that one.
 ROW_OPS: set = globals().get("ROW_OPS", set())
@@ -120,8 +122,11 @@ def output_layout(op: str, args: Sequence) -> tuple:
             raise
     if layout == "gated" and _halves(args):
         return _first_half_layout(*_key(args[0]))
-    if layout in ("contiguous", "gemm"):
-        shape = tuple(args[0].shape) if layout == "contiguous" else _gemm_shape(args[0], args[1])
+    if layout in ("contiguous", "gemm", "concat"):
+        if layout == "contiguous":
+            shape = tuple(args[0].shape)
+        else:
+            shape = _gemm_shape(args[0], args[1]) if layout == "gemm" else concat_shape(args[0], args[1])
         return shape, contiguous_strides(shape)
     return _like_layout(*_key(args[0]))
 
@@ -130,6 +135,12 @@ def _gemm_shape(x, weight: torch.Tensor) -> tuple:
     if isinstance(x, (list, tuple)):  # the inputs of a concatenation
         x = x[0]
     return (*x.shape[:-1], weight.shape[0])
+
+
+def concat_shape(xs, dim: int) -> tuple:
+    first = xs[0]
+    d = dim % first.dim()
+    return (*first.shape[:d], sum(x.shape[d] for x in xs), *first.shape[d + 1:])
 
 
 def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
@@ -147,6 +158,8 @@ def empty_output(op: str, args: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return x.new_empty(x.shape, dtype=dtype)
     if layout == "gemm":
         return x.new_empty(_gemm_shape(x, args[1]), dtype=dtype)
+    if layout == "concat":
+        return x.new_empty(concat_shape(args[0], args[1]), dtype=dtype)
     if layout == "gated" and _halves(args):
         return torch.empty_like(x[..., : x.shape[-1] // 2], dtype=dtype)
     return torch.empty_like(x, dtype=dtype)

@@ -18,8 +18,10 @@ from .defs.fast_gelu import reference as fast_gelu
 from .defs.glu import reference as glu
 from .defs.linear_gelu import reference as linear_gelu
 from .defs.mul_add import reference as mul_add
+from .defs.norm_rope import reference as norm_rope
 from .defs.rms_norm import reference as rms_norm
 from .defs.rope import full_width
 from .defs.rope import reference as rope
 
-__all__ = ["adalayernorm", "cat_linear", "fast_gelu", "full_width", "glu", "linear_gelu", "mul_add", "rms_norm", "rope"]
+__all__ = ["adalayernorm", "cat_linear", "fast_gelu", "full_width", "glu", "linear_gelu", "mul_add", "norm_rope", "rms_norm",
+           "rope"]

@@ -121,9 +121,13 @@ def expected_flux(model):
     double = model.transformer_blocks
     single = model.single_transformer_blocks
     return {
-        "rms_norm": rms_norms(model),
-        # q and k are rotated in every attention (joint in double blocks, self in single blocks)
-        "rope": 2 * (len(double) + len(single)),
+        # every RMSNorm is a q/k norm (4 per double block with the added ones, 2 per single block): norm_rope joins
+        # them with the rotation of the q and k they normalise
+        "rms_norm": rms_norms(model) - 4 * len(double) - 2 * len(single),
+        "rope": 0,
+        # q and k are rotated in every attention: in the double blocks after the text and image streams are joined
+        # (one op per q and k reads both streams' norms), in the single blocks right after the norm
+        "norm_rope": 2 * (len(double) + len(single)),
         # AdaLayerNormZero (image and text), the two inline `norm2 * (1 + scale) + shift` per double block,
         # AdaLayerNormZeroSingle per single block, AdaLayerNormContinuous norm_out
         "adalayernorm": len(
@@ -143,6 +147,7 @@ def expected_sd3(model):
     return {
         "rms_norm": rms_norms(model),
         "rope": 0,
+        "norm_rope": 0,  # no rotary embedding
         # norm1 / norm1_context modules (AdaLayerNormZero or, in the last block, AdaLayerNormContinuous), the
         # inline MLP modulation of the image stream in every block and of the text stream where it continues
         "adalayernorm": len(modules_named(model, "AdaLayerNormZero", "AdaLayerNormContinuous"))
@@ -160,6 +165,7 @@ def expected_wan(model):
     return {
         "rms_norm": rms_norms(model),
         "rope": 2 * len(blocks),  # q and k of the self-attention (attn1)
+        "norm_rope": 0,  # norm_q/k run over all heads before the heads are split: not the rotated rows
         # norm1 and norm3 are modulated in every block, plus the final norm_out modulation
         "adalayernorm": 2 * len(blocks) + 1,
         "glu": 0,  # tanh-GELU feed-forwards, no gated activation

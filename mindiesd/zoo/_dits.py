@@ -243,8 +243,10 @@ def expected_qwen_image(model):
     # The model returns only the image stream: after the joint attention of the last block, its text stream
     # (gated attention residual, txt_norm2 modulation, txt_mlp, gated MLP residual) is dead code that aot drops.
     return {
-        "rms_norm": rms_norms(model),  # txt_norm, and norm_q/k, norm_added_q/k of every block
-        "rope": 4 * n,  # image q, k and text q, k of every block (complex form)
+        # txt_norm, and norm_q/k, norm_added_q/k of every block: the q/k norms are joined with the rotation after them
+        "rms_norm": rms_norms(model) - 4 * n,
+        "rope": 0,
+        "norm_rope": 4 * n,  # image q, k and text q, k of every block, each rotated after its norm (complex form)
         # img_norm1, img_norm2 and txt_norm1 of every block, txt_norm2 but in the last, the norm_out module
         "adalayernorm": 3 * n + (n - 1) + len(modules_named(model, "AdaLayerNormContinuous")),
         "glu": 0,  # the MLPs are tanh-GELU FeedForwards
@@ -257,8 +259,13 @@ def expected_hunyuan_video(model):
     double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
     refiner = len(model.context_embedder.token_refiner.refiner_blocks)
     return {
-        "rms_norm": rms_norms(model),  # q/k norms: 4 per double block (with the added ones), 2 per single
-        "rope": 2 * (double + single),  # q and k of the image tokens, in every block (interleaved)
+        # q/k norms: 4 per double block (with the added ones), 2 per single; the image q/k norms of the double
+        # blocks are joined with the rotation after them
+        "rms_norm": rms_norms(model) - 2 * double,
+        # q and k of the image tokens, in every block (interleaved): in the single blocks only the image slice of
+        # the normalised stream is rotated, which leaves norm and rope apart
+        "rope": 2 * single,
+        "norm_rope": 2 * double,
         # AdaLayerNormZero (image and text) per double block plus its two inline norm2 modulations,
         # AdaLayerNormZeroSingle per single block, the AdaLayerNormContinuous norm_out; the refiner's LayerNorms
         # are affine and unmodulated
@@ -278,6 +285,7 @@ def expected_cogvideox(model):
     return {
         "rms_norm": 0,  # the q/k norms are LayerNorms
         "rope": 2 * n,  # q and k of the image tokens, written back in place (interleaved)
+        "norm_rope": 0,  # the q/k norms are LayerNorms
         # CogVideoXLayerNormZero norm1 and norm2 each modulate the image and the text stream, plus the AdaLayerNorm
         # norm_out: `norm(x) * (1 + scale) + shift`
         "adalayernorm": 4 * n + 1,
@@ -294,8 +302,9 @@ def expected_ltx_video(model):
         # norm1 and norm2 (diffusers RMSNorm without weight), norm_q and norm_k of attn1 and attn2 (torch RMSNorm).
         # norm1/norm2 are modulated `rms(x) * (1 + scale) + shift`: the rms_norm rule takes `(1 + scale)` as its
         # weight and leaves `+ shift` a plain add, so those modulations are no mul_add site.
-        "rms_norm": rms_norms(model),
-        "rope": 2 * n,  # q and k of attn1, rotated across heads (interleaved)
+        "rms_norm": rms_norms(model) - 2 * n,  # less attn1's norm_q and norm_k, joined with the rotation after them
+        "rope": 0,
+        "norm_rope": 2 * n,  # q and k of attn1, normalised and rotated across heads (interleaved)
         "adalayernorm": 1,  # norm_out: LayerNorm without affine, modulated by scale_shift_table + temb
         "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ff of every block and the caption projection
@@ -308,6 +317,7 @@ def expected_sana(model):
     return {
         "rms_norm": rms_norms(model),  # caption_norm, and norm_q/k of attn1 and attn2 (rms_norm_across_heads)
         "rope": 0,
+        "norm_rope": 0,  # no rotary embedding
         "adalayernorm": 2 * n + len(modules_named(model, "SanaModulatedNorm")),  # norm1, norm2 per block; norm_out
         # `x * silu(gate)` of GLUMBConv: halves split along channels, fused as two tensors
         "glu": len(modules_named(model, "GLUMBConv")),
@@ -321,8 +331,10 @@ def expected_lumina2(model):
     modulated = [b for b in blocks if b.modulation]
     return {
         # caption RMSNorm, and per block norm_q, norm_k, norm1 (or LuminaRMSNormZero's), norm2, ffn_norm1/2
-        "rms_norm": rms_norms(model),
-        "rope": 2 * len(blocks),  # q and k of every block (complex form, float64 tables)
+        # (the norm_q and norm_k joined with the rotation after them)
+        "rms_norm": rms_norms(model) - 2 * len(blocks),
+        "rope": 0,
+        "norm_rope": 2 * len(blocks),  # q and k of every block (complex form, float64 tables)
         # LuminaLayerNormContinuous norm_out: `layer_norm(x) * (1 + scale)` (adaLN without shift)
         "adalayernorm": len(modules_named(model, "LuminaLayerNormContinuous")),
         # `silu(linear_1(x)) * linear_3(x)`, SiLU in fp32 (FP32SiLU)
@@ -337,6 +349,7 @@ def expected_pixart(model):
     return {
         "rms_norm": 0,
         "rope": 0,
+        "norm_rope": 0,  # no rotary embedding
         "adalayernorm": 2 * n + 1,  # ada_norm_single norm1 and norm2 of every block, and norm_out
         "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ff of every block and the caption projection
@@ -349,6 +362,7 @@ def expected_hidream(model):
     return {
         "rms_norm": rms_norms(model),  # q/k norms: image and text stream per double block, one pair per single
         "rope": 2 * (double + single),  # q and k in every block (2x2 rotation-matrix form)
+        "norm_rope": 0,  # the q/k norms run over all heads, before the heads are split
         # norm1_i, norm1_t, norm3_i, norm3_t per double block, norm1_i, norm3_i per single block, final_layer
         "adalayernorm": 4 * double + 2 * single + 1,
         # `silu(w1(x)) * w3(x)`: ff_i, ff_t, and in MoE layers the shared and every routed expert (at the registry's
@@ -365,6 +379,7 @@ def expected_cogview4(model):
     return {
         "rms_norm": 0,  # the q/k norms are LayerNorms
         "rope": 2 * n,  # q and k of the image tokens, half-rotated, written back in place
+        "norm_rope": 0,  # the q/k norms are LayerNorms
         # image norm1, norm2 and text norm1 of every block, text norm2 but in the last, CogView4 norm_out
         "adalayernorm": 3 * n + (n - 1) + 1,
         "glu": 0,  # tanh-GELU feed-forwards
@@ -378,6 +393,7 @@ def expected_auraflow(model):
     return {
         "rms_norm": 0,  # fp32 LayerNorm q/k norms
         "rope": 0,
+        "norm_rope": 0,  # no rotary embedding
         # AdaLayerNormZero (image and text) and the inline norm2 modulations per joint block, AdaLayerNormZero and
         # its norm2 modulation per single block
         "adalayernorm": len(modules_named(model, "AdaLayerNormZero")) + 2 * joint + single,
@@ -392,8 +408,10 @@ def expected_auraflow(model):
 def expected_chroma(model):
     double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
     return {
-        "rms_norm": rms_norms(model),  # the approximator's norms and the q/k norms
-        "rope": 2 * (double + single),
+        # the approximator's norms; the q/k norms are joined with the rotation after them, as in Flux
+        "rms_norm": rms_norms(model) - 4 * double - 2 * single,
+        "rope": 0,
+        "norm_rope": 2 * (double + single),
         "adalayernorm": len(
             modules_named(
                 model,
@@ -414,6 +432,7 @@ def expected_skyreels_v2(model):
     return {
         "rms_norm": rms_norms(model),  # norm_q and norm_k of attn1 and attn2
         "rope": 2 * n,  # q and k of attn1 (Wan's strided form)
+        "norm_rope": 0,  # norm_q/k run over all heads, as in Wan
         "adalayernorm": 2 * n + 1,  # norm1 and norm3 of every block, and the final norm_out modulation
         "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ffn of every block and the text embedder
@@ -424,8 +443,10 @@ def expected_skyreels_v2(model):
 def expected_flux2(model):
     double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
     return {
-        "rms_norm": rms_norms(model),  # q/k norms: 4 per double block, 2 per single block
-        "rope": 2 * (double + single),
+        # q/k norms: 4 per double block, 2 per single block, all joined with the rotation after them, as in Flux
+        "rms_norm": rms_norms(model) - 4 * double - 2 * single,
+        "rope": 0,
+        "norm_rope": 2 * (double + single),
         # inline `(1 + scale) * norm(x) + shift`: 4 per double block, 1 per single block; the norm_out module
         "adalayernorm": 4 * double + single + len(modules_named(model, "AdaLayerNormContinuous")),
         # `silu(x[..., :h]) * x[..., h:]`: ff, ff_context, and the single blocks' MLP
@@ -440,6 +461,7 @@ def expected_omnigen(model):
     return {
         "rms_norm": rms_norms(model),  # input_layernorm and post_attention_layernorm per block, the final norm
         "rope": 2 * n,  # q and k of every block (half-rotated, use_real_unbind_dim=-2)
+        "norm_rope": 0,  # no q/k norm
         "adalayernorm": len(modules_named(model, "AdaLayerNorm")),  # norm_out: LayerNorm without affine, chunk_dim=1
         "glu": len(modules_named(model, "OmniGenFeedForward")),  # `up * silu(gate)` of `gate_up_proj(x).chunk(2, -1)`
         "fast_gelu": 0,  # SiLU-gated feed-forward
@@ -452,6 +474,7 @@ def expected_prx(model):
     return {
         "rms_norm": rms_norms(model),  # norm_q, norm_k of the image tokens and norm_added_k of the text, per block
         "rope": 2 * n,  # image q and k of every block (a 2x2 matrix per pair)
+        "norm_rope": 0,  # the rotated q/k are heads-first views, not the contiguous rows the op writes
         # `(1 + scale) * norm(x) + shift`: img_pre_norm and post_attention_layernorm per block, the FinalLayer's
         "adalayernorm": 2 * n + len(modules_named(model, "FinalLayer")),
         # `mlp_act(gate_proj(x)) * up_proj(x)`, tanh-GELU, of every block
@@ -466,6 +489,7 @@ def expected_anyflow(model):
     return {
         "rms_norm": rms_norms(model),  # norm_q and norm_k (across heads) of attn1 and attn2
         "rope": 2 * n,  # q and k of attn1 (complex form, float64 table)
+        "norm_rope": 0,  # norm_q/k run over all heads, as in Wan
         # fp32 norm1 and norm3 of every block with per-token modulation, and norm_out; norm2 is affine, unmodulated
         "adalayernorm": 2 * n + 1,
         "glu": 0,  # tanh-GELU feed-forwards

@@ -28,16 +28,22 @@ class AllFamilies(torch.nn.Module):
     def __init__(self, d=32):
         super().__init__()
         self.norm = torch.nn.RMSNorm(d, eps=1e-6)
+        self.q_norm = torch.nn.RMSNorm(d, eps=1e-6)
         self.ln = torch.nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
         self.up = torch.nn.Linear(d, 2 * d)
         self.proj = torch.nn.Linear(d, d)
         with torch.no_grad():
             self.norm.weight.normal_()
+            self.q_norm.weight.normal_()
+
+    @staticmethod
+    def rotate(h, cos, sin):
+        x_even, x_odd = h.unflatten(-1, (-1, 2)).unbind(-1)
+        return h * cos + torch.stack([-x_odd, x_even], -1).flatten(-2) * sin
 
     def forward(self, x, cos, sin, scale, shift, gate):
-        h = self.norm(x)
-        x_even, x_odd = h.unflatten(-1, (-1, 2)).unbind(-1)
-        h = h * cos + torch.stack([-x_odd, x_even], -1).flatten(-2) * sin
+        # rms_norm (read by an add, not a rotation), rope (of that sum) and norm_rope (a norm rotated right after)
+        h = self.rotate(self.norm(x) + x, cos, sin) + self.rotate(self.q_norm(x), cos, sin)
         h = self.ln(h) * (1 + scale) + shift
         value, gate_half = self.up(h).chunk(2, dim=-1)
         h = value * F.silu(gate_half)
@@ -64,23 +70,31 @@ def test_every_family_fires_once():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_switch_removes_exactly_its_family(family):
-    switch = {"rms_norm": "enable_rms_norm", "rope": "enable_rope", "adalayernorm": "enable_adalayernorm",
-              "glu": "enable_glu", "fast_gelu": "enable_fast_gelu", "mul_add": "enable_mul_add"}[family]
-    setattr(CompilationConfig.fusion_patterns, switch, False)
+    setattr(CompilationConfig.fusion_patterns, f"enable_{family}", False)
     out, ref, counts, _ = run_compiled(AllFamilies(), *all_families_inputs())
     expected = {f: (0 if f == family else 1) for f in FAMILIES}
-    if family in ("rope", "adalayernorm"):
-        # their sum `a * b + c` is a plain multiply-add, which the mul_add pass then takes (correctly): one
-        # more mul_add besides the residual gate
+    # norm_rope joins the ops of rms_norm and rope: without either there is nothing to join, and without norm_rope
+    # the norm and the rotation it would join are fused on their own
+    if family == "rms_norm":
+        # and the unfused norm's `normed * weight + x` is a multiply-add
+        expected.update(norm_rope=0, rope=2, mul_add=2)
+    if family == "rope":
+        expected.update(norm_rope=0, rms_norm=2)
+    if family == "norm_rope":
+        expected.update(rms_norm=2, rope=2)
+    # the sums `a * b + c` of an unfused rotation or modulation are plain multiply-adds, which the mul_add pass then
+    # takes (correctly): one more mul_add per such sum besides the residual gate
+    if family == "rope":
+        expected["mul_add"] = 3
+    if family == "adalayernorm":
         expected["mul_add"] = 2
     assert counts == expected
     assert_close(out, ref)
 
 
 def test_all_switches_off_gives_no_fused_op():
-    for name in ("enable_rms_norm", "enable_rope", "enable_adalayernorm", "enable_glu", "enable_fast_gelu",
-                 "enable_mul_add"):
-        setattr(CompilationConfig.fusion_patterns, name, False)
+    for family in FAMILIES:
+        setattr(CompilationConfig.fusion_patterns, f"enable_{family}", False)
     out, ref, counts, backend = run_compiled(AllFamilies(), *all_families_inputs())
     assert counts == {f: 0 for f in FAMILIES}
     assert_close(out, ref)
@@ -255,7 +269,9 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     The backward always needs the mean and rstd of adaLN's `native_layer_norm`, which the adalayernorm op would
     remove: that site stays unfused and its `norm * (1 + scale) + shift` goes to mul_add (beside the gate). The
     backward of the gated activation needs `silu(gate)`, so glu stays unfused too. When the input needs a gradient
-    too, RMSNorm's `rsqrt` is saved for it, so that site stays unfused as well.
+    too, RMSNorm's `rsqrt` is saved for it, so those sites stay unfused as well. The weights' gradients need the
+    normalised values, so the norms fuse without their weight, whose multiply stays between norm and rotation:
+    nothing for norm_rope to join, and the first norm's `normed * weight + x` is a multiply-add.
     """
     model = AllFamilies()
     x, *rest = all_families_inputs()
@@ -271,8 +287,8 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     ref = model(x_eager, *rest)
     ref.square().sum().backward()
 
-    expected = {"rms_norm": 0 if input_grad else 1, "rope": 1, "adalayernorm": 0, "glu": 0, "fast_gelu": 1,
-                "mul_add": 2}
+    expected = {"rms_norm": 0 if input_grad else 2, "rope": 2, "norm_rope": 0, "adalayernorm": 0, "glu": 0,
+                "fast_gelu": 1, "mul_add": 3}
     assert count_fused(backend) == expected
     assert spec_counts(backend.report().matches) == expected
     assert backend.report().graphs == 1
@@ -280,7 +296,7 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     assert backend.report().records[0].folded_constants == 0, "freezing is off with gradients enabled"
     assert out.requires_grad
     assert_close(out.detach(), ref.detach())
-    assert set(grads) == {"norm.weight", "up.weight", "up.bias", "proj.weight", "proj.bias"}
+    assert set(grads) == {"norm.weight", "q_norm.weight", "up.weight", "up.bias", "proj.weight", "proj.bias"}
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     if input_grad:

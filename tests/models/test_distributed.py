@@ -170,11 +170,11 @@ class DiTBlock(torch.nn.Module):
 
     With ``cp`` ("ulysses" or "ring") the forward takes the whole sequence, as diffusers' context-parallel hooks
     do: each rank keeps its chunk of the tokens and of the RoPE tables, attention exchanges them across the group,
-    and the output is all-gathered. Fused ops of one forward: rms_norm 2, rope 2, adalayernorm 1, fast_gelu 1,
-    mul_add 1.
+    and the output is all-gathered. Fused ops of one forward: norm_rope 2 (q and k, each normalised and rotated in
+    one op), adalayernorm 1, fast_gelu 1, mul_add 1.
     """
 
-    EXPECTED = {"rms_norm": 2, "rope": 2, "adalayernorm": 1, "glu": 0, "fast_gelu": 1, "mul_add": 1}
+    EXPECTED = {"rms_norm": 0, "rope": 0, "norm_rope": 2, "adalayernorm": 1, "glu": 0, "fast_gelu": 1, "mul_add": 1}
     #: The collectives of one context-parallel forward, in order (each followed by its wait): Ulysses exchanges
     #: q, k, v and the output, ring gathers K and V in one buffer; both gather the output.
     COLLECTIVES = {"ulysses": 4 * ["all_to_all_single"] + ["all_gather_into_tensor"],

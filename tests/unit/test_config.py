@@ -16,8 +16,8 @@ SPEC_DEFAULTS = {
     "safe_output_mode": True,
     "graph_log_url": None,
 }
-SPEC_SWITCHES = ["enable_rms_norm", "enable_rope", "enable_adalayernorm", "enable_glu", "enable_fast_gelu",
-                 "enable_mul_add"]
+SPEC_SWITCHES = ["enable_rms_norm", "enable_rope", "enable_norm_rope", "enable_adalayernorm", "enable_glu",
+                 "enable_fast_gelu", "enable_mul_add"]
 
 
 def test_spec_defaults_at_class_level():
@@ -121,10 +121,10 @@ def test_backend_rejects_non_config():
 
 def test_enabled_families_in_pass_order():
     fp = FusionPatterns(enable_rope=False)
-    assert fp.enabled_families() == ("merge_projections", "rms_norm", "adalayernorm", "glu", "linear_gelu",
-                                     "fast_gelu", "mul_add", "cat_linear")
+    assert fp.enabled_families() == ("merge_projections", "rms_norm", "norm_rope", "adalayernorm", "glu",
+                                     "linear_gelu", "fast_gelu", "mul_add", "cat_linear")
     fp = FusionPatterns(enable_merge_projections=False, enable_linear_gelu=False, enable_cat_linear=False)
-    assert fp.enabled_families() == ("rms_norm", "rope", "adalayernorm", "glu", "fast_gelu", "mul_add")
+    assert fp.enabled_families() == ("rms_norm", "rope", "norm_rope", "adalayernorm", "glu", "fast_gelu", "mul_add")
 
 
 def test_registered_by_name():
@@ -281,7 +281,7 @@ def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
     (record,) = backend.report().records
     assert record.skipped["fast_gelu"] == "the cpu kernel is too slow"
     assert set(record.skipped) == {"fast_gelu", "merge_projections", "linear_gelu", "cat_linear"}  # GEMM: CPU default
-    assert record.matches == {"rms_norm": 1, "rope": 0, "adalayernorm": 0, "glu": 0, "mul_add": 0}
+    assert record.matches == {"rms_norm": 1, "rope": 0, "norm_rope": 0, "adalayernorm": 0, "glu": 0, "mul_add": 0}
     assert record.fallback is None
 
 

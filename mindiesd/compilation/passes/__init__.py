@@ -14,11 +14,12 @@ from .glu import GluPass
 from .linear_gelu import LinearGeluPass
 from .merge_projections import MergeProjectionsPass
 from .mul_add import MulAddPass
+from .norm_rope import NormRopePass
 from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
-_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, AdaLayerNormPass, GluPass,
-                                        LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
+_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, NormRopePass, AdaLayerNormPass,
+                                        GluPass, LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")
 

@@ -271,6 +271,14 @@ inline float reduce_row(const T* p, int64_t width, const Add& add, const Visit& 
   return horizontal_sum((acc0 + acc1) + (acc2 + acc3));
 }
 
+// Sum of squares of a row.
+template <typename T>
+inline float sum_of_squares(const T* p, int64_t width) {
+  return reduce_row(
+      p, width, [](const fVec& acc, const fVec& v) { return at::vec::fmadd(v, v, acc); },
+      [](const auto&, const fVec&, const fVec&) {});
+}
+
 // ---------------------------------------------------------------------------
 // Activations in float32 (fast_gelu.cpp, glu.cpp).
 // ---------------------------------------------------------------------------

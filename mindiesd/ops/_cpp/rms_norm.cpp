@@ -7,14 +7,6 @@
 namespace mindiesd_cpu {
 namespace {
 
-// Sum of squares of a row.
-template <typename T>
-inline float sum_of_squares(const T* p, int64_t width) {
-  return reduce_row(
-      p, width, [](const fVec& acc, const fVec& v) { return at::vec::fmadd(v, v, acc); },
-      [](const auto&, const fVec&, const fVec&) {});
-}
-
 template <typename TX, typename TW, typename TO, bool kWeighted>
 void rms_norm_kernel(const Tensor& x, const Tensor& weight, Tensor& out, float eps) {
   const float inv_width = 1.0f / static_cast<float>(x.size(-1));

@@ -1,4 +1,5 @@
-// rope: x * cos + rotate(x) * sin, one row at a time.
+// rope: x * cos + rotate(x) * sin, one row at a time; norm_rope: the same of
+// each stream's RMSNorm, written into its slice of the streams' concatenation.
 
 #include "common.h"
 
@@ -106,6 +107,87 @@ inline bool covers_rope_table(const Tensor& t, const Tensor& x) {
          broadcasts_into_rows(t, x.sizes());
 }
 
+
+// Rounds two float32 vectors to the 16-bit type T and back, as a tensor of T would hold them (float: as is).
+template <typename T>
+inline void round_through(fVec& a, fVec& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(from_float<T>(a, b));
+  }
+}
+
+// A block of a row normalised: x * inv_rms (* weight), rounded to x's type as rms_norm's output in that type
+// would be when ``kRound`` (else kept in float32, an output of dtype float32).
+template <typename TX, bool kWeighted, bool kRound, typename BlockT>
+inline std::pair<fVec, fVec> normed_block(const BlockT& block, const TX* xr, const float* wr, const fVec& inv_rms) {
+  auto [a, b] = block.load(xr);
+  a = a * inv_rms;
+  b = b * inv_rms;
+  if constexpr (kWeighted) {
+    const auto [wa, wb] = block.load(wr);
+    a = a * wa;
+    b = b * wb;
+  }
+  if constexpr (kRound) {
+    round_through<TX>(a, b);
+  }
+  return {a, b};
+}
+
+// The rows of one stream: RMSNorm of each row of x, then its rotation, into the rows of ``out`` (the stream's
+// slice of the concatenation).  The weight is float32 (a [D] weight is small beside the rows it scales).
+template <typename T, bool kWeighted, bool kRound, bool kInterleaved, bool kPerPair>
+void norm_rope_kernel(
+    const Tensor& x, const Tensor& weight, const Tensor& cos, const Tensor& sin, Tensor& out, float eps) {
+  const int64_t width = x.size(-1);
+  const int64_t half = width / 2;
+  const int64_t second_table = kPerPair ? 0 : half;
+  const float inv_width = 1.0f / static_cast<float>(width);
+  auto body = [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr) {
+    const fVec inv_rms(1.0f / std::sqrt(sum_of_squares(xr, width) * inv_width + eps));
+    if constexpr (kInterleaved) {
+      for_each_block(0, width, walk.stream, [&](const auto& block) {
+        const auto [a, b] = normed_block<T, kWeighted, kRound>(block, xr, wr, inv_rms);
+        const auto [c0, c1] = pair_table<kPerPair>(block, cr);
+        const auto [s0, s1] = pair_table<kPerPair>(block, sr);
+        block.store(outr, at::vec::fmadd(rotate_pairs(a), s0, a * c0), at::vec::fmadd(rotate_pairs(b), s1, b * c1));
+      });
+    } else {
+      const float* wr2 = kWeighted ? wr + half : wr;
+      for_each_block(0, half, walk.stream, [&](const auto& block) {
+        const auto [x1a, x1b] = normed_block<T, kWeighted, kRound>(block, xr, wr, inv_rms);
+        const auto [x2a, x2b] = normed_block<T, kWeighted, kRound>(block, xr + half, wr2, inv_rms);
+        const auto [c1a, c1b] = block.load(cr);
+        const auto [s1a, s1b] = block.load(sr);
+        const auto [c2a, c2b] = block.load(cr + second_table);
+        const auto [s2a, s2b] = block.load(sr + second_table);
+        block.store(outr, at::vec::fmsub(x1a, c1a, x2a * s1a), at::vec::fmsub(x1b, c1b, x2b * s1b));
+        block.store(outr + half, at::vec::fmadd(x2a, c2a, x1a * s2a), at::vec::fmadd(x2b, c2b, x1b * s2b));
+      });
+    }
+  };
+  if constexpr (kWeighted) {
+    for_each_row<T, T, float, float, float>(
+        out, {&x, &weight, &cos, &sin},
+        [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr, float*) {
+          body(walk, outr, xr, wr, cr, sr);
+        });
+  } else {
+    for_each_row<T, T, float, float>(
+        out, {&x, &cos, &sin}, [&](const RowWalk& walk, T* outr, const T* xr, const float* cr, const float* sr, float*) {
+          body(walk, outr, xr, nullptr, cr, sr);
+        });
+  }
+}
+
+// ``t`` with its leading dims fixed to ``index`` (a table broadcast to the output's shape, or x).
+inline Tensor select_leading(Tensor t, const std::vector<int64_t>& index) {
+  for (const int64_t i : index) {
+    t = t.select(0, i);
+  }
+  return t;
+}
+
 }  // namespace
 
 std::optional<Tensor> rope(
@@ -165,6 +247,141 @@ std::optional<Tensor> rope(
       });
     });
   });
+}
+
+std::optional<Tensor> norm_rope(
+    const std::vector<Tensor>& xs_in, int64_t dim, const std::vector<std::optional<Tensor>>& weights_in, double eps,
+    std::optional<ScalarType> norm_dtype, const Tensor& cos_in, const Tensor& sin_in, bool interleaved,
+    ScalarType out_dtype) {
+  if (xs_in.empty() || weights_in.size() != xs_in.size()) {
+    return std::nullopt;
+  }
+  const Tensor& first = xs_in[0];
+  const int64_t rank = first.dim();
+  const int64_t width = rank > 0 ? first.size(-1) : 0;
+  const int64_t d = dim < 0 ? dim + rank : dim;
+  // The output in x's dtype, the normalised values rounded to it or kept in float32 (the usual cases; others are
+  // left to the composition).
+  const ScalarType normed = norm_dtype.value_or(first.scalar_type());
+  if (rank < 2 || d < 0 || d >= rank - 1 || width == 0 || width % 2 != 0 || out_dtype != first.scalar_type() ||
+      (normed != first.scalar_type() && normed != ScalarType::Float) || !covers_rows(first, out_dtype)) {
+    return std::nullopt;
+  }
+  const bool round_normed = normed != ScalarType::Float;
+  std::vector<int64_t> sizes = first.sizes().vec();
+  sizes[d] = 0;
+  for (size_t i = 0; i < xs_in.size(); ++i) {
+    const Tensor& x = xs_in[i];
+    if (!on_cpu(x) || x.scalar_type() != first.scalar_type() || x.dim() != rank) {
+      return std::nullopt;
+    }
+    const std::optional<Tensor>& w = weights_in[i];
+    if (w.has_value() && w->defined() && !(on_cpu(*w) && is_covered_float(w->scalar_type()) && w->dim() == 1 &&
+                                           w->size(0) == width)) {
+      return std::nullopt;
+    }
+    sizes[d] += x.size(d);
+  }
+  at::NoGradGuard no_grad;
+  Tensor out = empty_output(first, sizes, out_dtype);
+  bool per_pair = true;
+  for (const Tensor* t : {&cos_in, &sin_in}) {
+    if (t->dim() < 1 || !covers_rope_table(*t, out)) {
+      return std::nullopt;
+    }
+    const int64_t last = t->size(-1);
+    if (last != width && last != width / 2 && last != 1) {
+      return std::nullopt;
+    }
+    if (last == width && last != 1) {
+      per_pair = false;
+    }
+  }
+  if (out.numel() == 0) {
+    return out;
+  }
+  const int64_t table_width = per_pair ? width / 2 : width;
+  auto prepare = [&](const Tensor& t) {
+    Tensor table = t;
+    if (!per_pair && t.size(-1) == width / 2) {
+      if (interleaved) {
+        table = t.to(ScalarType::Float).repeat_interleave(2, -1);
+      } else {
+        std::vector<int64_t> twice(t.dim(), 1);
+        twice.back() = 2;
+        table = t.repeat(twice);
+      }
+    }
+    return as_row_operand(table, out.sizes(), table_width, ScalarType::Float);
+  };
+  const Tensor cos = prepare(cos_in);
+  const Tensor sin = prepare(sin_in);
+  const float eps_f = static_cast<float>(eps);
+  // Each stream's slice of the output is contiguous once the dims before ``d`` are fixed.
+  int64_t outer = 1;
+  for (int64_t k = 0; k < d; ++k) {
+    outer *= sizes[k];
+  }
+  std::vector<int64_t> index(static_cast<size_t>(d), 0);
+  for (int64_t o = 0; o < outer; ++o) {
+    int64_t rest = o;
+    for (int64_t k = d - 1; k >= 0; --k) {
+      index[k] = rest % sizes[k];
+      rest /= sizes[k];
+    }
+    const Tensor out_o = select_leading(out, index);
+    const Tensor cos_o = select_leading(cos, index);
+    const Tensor sin_o = select_leading(sin, index);
+    int64_t offset = 0;
+    for (size_t i = 0; i < xs_in.size(); ++i) {
+      const Tensor& x_in = xs_in[i];
+      const int64_t length = x_in.size(d);
+      if (length == 0) {
+        continue;
+      }
+      const Tensor x_full = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+      const Tensor x = select_leading(x_full, index);
+      Tensor out_i = out_o.narrow(0, offset, length);
+      const Tensor cos_i = cos_o.narrow(0, offset, length);
+      const Tensor sin_i = sin_o.narrow(0, offset, length);
+      offset += length;
+      const std::optional<Tensor>& w = weights_in[i];
+      const bool weighted = w.has_value() && w->defined();
+      const Tensor weight = weighted ? as_row_operand(*w, x.sizes(), width, ScalarType::Float) : Tensor();
+      dispatch_float(x.scalar_type(), [&](auto x_tag) {
+        using T = decltype(x_tag);
+        auto run = [&](auto weighted_tag, auto interleaved_tag, auto per_pair_tag) {
+          constexpr bool kWeighted = decltype(weighted_tag)::value;
+          constexpr bool kInterleaved = decltype(interleaved_tag)::value;
+          constexpr bool kPerPair = decltype(per_pair_tag)::value;
+          if constexpr (std::is_same_v<T, float>) {
+            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f);
+          } else if (round_normed) {
+            norm_rope_kernel<T, kWeighted, true, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f);
+          } else {
+            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f);
+          }
+        };
+        auto with_form = [&](auto weighted_tag) {
+          if (interleaved && per_pair) {
+            run(weighted_tag, std::true_type{}, std::true_type{});
+          } else if (interleaved) {
+            run(weighted_tag, std::true_type{}, std::false_type{});
+          } else if (per_pair) {
+            run(weighted_tag, std::false_type{}, std::true_type{});
+          } else {
+            run(weighted_tag, std::false_type{}, std::false_type{});
+          }
+        };
+        if (weighted) {
+          with_form(std::true_type{});
+        } else {
+          with_form(std::false_type{});
+        }
+      });
+    }
+  }
+  return out;
 }
 
 }  // namespace mindiesd_cpu

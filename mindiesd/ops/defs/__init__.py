@@ -2,6 +2,7 @@
 
 from .rms_norm import RMS_NORM
 from .rope import ROPE
+from .norm_rope import NORM_ROPE
 from .adalayernorm import ADALAYERNORM
 from .glu import GLU
 from .linear_gelu import LINEAR_GELU
@@ -9,4 +10,4 @@ from .fast_gelu import FAST_GELU
 from .mul_add import MUL_ADD
 from .cat_linear import CAT_LINEAR
 
-__all__ = ["RMS_NORM", "ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU", "FAST_GELU", "MUL_ADD", "CAT_LINEAR"]
+__all__ = ["RMS_NORM", "ROPE", "NORM_ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU", "FAST_GELU", "MUL_ADD", "CAT_LINEAR"]

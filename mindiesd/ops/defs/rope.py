@@ -22,23 +22,32 @@ def rope_rules(
     require_floating("rope", x=x, cos=cos, sin=sin)
     if x.dim() < 1:
         raise ValueError("mindiesd.rope: `x` must have at least one dimension")
-    width = x.shape[-1]
+    return table_rules("rope", tuple(x.shape), x.dtype, cos, sin, out_dtype)
+
+
+def table_rules(
+    op: str, shape: tuple, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.dtype, torch.dtype]:
+    """The checks of rope's tables for a rotated tensor of ``shape`` and ``dtype`` (``op`` names the caller in
+    the errors); return (output dtype, compute dtype)."""
+    require_floating(op, cos=cos, sin=sin)
+    width = shape[-1]
     if width % 2 != 0:
         raise ValueError(
-            f"mindiesd.rope: the last dim of `x` must be even, got x of shape {shape_str(x.shape)}"
+            f"mindiesd.{op}: the last dim of `x` must be even, got x of shape {shape_str(shape)}"
         )
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dim() < 1:
-            raise ValueError(f"mindiesd.rope: `{name}` must have at least one dimension")
+            raise ValueError(f"mindiesd.{op}: `{name}` must have at least one dimension")
         last = table.shape[-1]
         if last != width and last != width // 2 and last != 1:
             raise ValueError(
-                f"mindiesd.rope: the last dim of `{name}` (shape {shape_str(table.shape)}) "
+                f"mindiesd.{op}: the last dim of `{name}` (shape {shape_str(table.shape)}) "
                 f"must be {width} (full width), {width // 2} (per pair) or 1, for x of shape "
-                f"{shape_str(x.shape)}"
+                f"{shape_str(shape)}"
             )
-        check_broadcasts_into("rope", name, table.shape, x.shape, skip_last=True)
-    promoted = promote(x.dtype, cos.dtype, sin.dtype)
+        check_broadcasts_into(op, name, table.shape, shape, skip_last=True)
+    promoted = promote(dtype, cos.dtype, sin.dtype)
     return resolve_out_dtype(out_dtype, promoted), compute_dtype(promoted)
 
 

@@ -40,7 +40,7 @@ from .cpp_build import (  # noqa: F401  (the build's public names, as before the
     enabled,
     extension,
 )
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
@@ -96,6 +96,8 @@ def native(
 
 rms_norm = native(RMS_NORM, lambda t: (t.x, t.w, 1e-6))
 rope = native(ROPE, lambda t: (t.x, t.cos, t.sin, True))
+# x [3, 2, 40] and its first row as a second stream, joined along dim 0; a table per row.
+norm_rope = native(NORM_ROPE, lambda t: ([t.x, t.x[:1]], 0, [t.w, None], 1e-6, None, t.cos[:1], t.sin[:1], False))
 adalayernorm = native(ADALAYERNORM, lambda t: (t.x, t.scale, t.shift, 1e-6))
 glu = native(GLU, lambda t: (t.x, None, "gelu", True))
 fast_gelu = native(FAST_GELU, lambda t: (t.x,))

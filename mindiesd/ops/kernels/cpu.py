@@ -21,11 +21,12 @@ import torch.nn.functional as F
 
 from .. import reference, registry
 from .._rules import REDUCED_FLOAT_DTYPES, promote
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
 from ..defs.mul_add import mul_add_rules
+from ..defs.norm_rope import norm_rope_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
@@ -178,6 +179,25 @@ def rope(
     out[..., first].addcmul_(source[..., second], sin_first, value=-1)
     out[..., second].addcmul_(source[..., first], sin_second)
     return _finish(out, out_dtype)
+
+
+@cpu_kernel(NORM_ROPE)
+def norm_rope(
+    xs: list,
+    dim: int,
+    weights: list,
+    eps: float,
+    norm_dtype: torch.dtype | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The two kernels above in sequence: each stream's RMSNorm, their concatenation, one rotation."""
+    out_dtype, _ = norm_rope_rules(xs, dim, weights, eps, norm_dtype, cos, sin, out_dtype)
+    normed = [rms_norm(x, w, eps, norm_dtype or x.dtype) for x, w in zip(xs, weights)]
+    joined = torch.cat(normed, dim) if len(normed) > 1 else normed[0]
+    return rope(joined, cos, sin, interleaved, out_dtype)
 
 
 def _modulated_leading_dims(x_shape: torch.Size, *shapes: torch.Size) -> int:

@@ -25,15 +25,16 @@ import triton.language as tl
 
 from .. import reference, registry
 from . import gemm
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
 from ..defs.mul_add import mul_add_rules
+from ..defs.norm_rope import norm_rope_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "mul_add", "register", "rms_norm", "rope"]
+__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "mul_add", "norm_rope", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "cuda"
 
@@ -259,6 +260,49 @@ def _rope_kernel(
     out_row = (rows_index * width)[:, None]
     _store(out_ptr, out_row + first, out_first, mask)
     _store(out_ptr, out_row + second, out_second, mask)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    dims,
+    x_ptr, x_strides, x_col,
+    w_ptr, w_strides, w_col,
+    cos_ptr, cos_strides, cos_col,
+    sin_ptr, sin_strides, sin_col,
+    out_ptr, out_strides, out_col,
+    pairs, width, eps,
+    x_pairing, cos_pairing, sin_pairing,
+    HAS_WEIGHT: tl.constexpr, NORMED: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+):
+    """One program per row of one stream: the row's RMSNorm (rounded to NORMED), rotated as ``_rope_kernel`` does,
+    stored through out's strides (the stream's slice of the concatenation)."""
+    row = tl.program_id(0).to(tl.int64)
+    coords = _unravel(row, dims)
+    pair = tl.arange(0, BLOCK_PAIRS)
+    mask = pair < pairs
+    first = pair * x_pairing[0]
+    second = first + x_pairing[1]
+    x_row = x_ptr + _offset(coords, x_strides)
+    x_first = _load(x_row + first * x_col, mask, COMPUTE)
+    x_second = _load(x_row + second * x_col, mask, COMPUTE)
+    inv_rms = tl.rsqrt((tl.sum(x_first * x_first, axis=0) + tl.sum(x_second * x_second, axis=0)) / width + eps)
+    n_first = x_first * inv_rms
+    n_second = x_second * inv_rms
+    if HAS_WEIGHT:
+        w_row = w_ptr + _offset(coords, w_strides)
+        n_first = n_first * _load(w_row + first * w_col, mask, COMPUTE)
+        n_second = n_second * _load(w_row + second * w_col, mask, COMPUTE)
+    n_first = n_first.to(NORMED).to(COMPUTE)
+    n_second = n_second.to(NORMED).to(COMPUTE)
+    cos_row = cos_ptr + _offset(coords, cos_strides)
+    sin_row = sin_ptr + _offset(coords, sin_strides)
+    cos_first = _load(cos_row + pair * cos_pairing[0] * cos_col, mask, COMPUTE)
+    cos_second = _load(cos_row + (pair * cos_pairing[0] + cos_pairing[1]) * cos_col, mask, COMPUTE)
+    sin_first = _load(sin_row + pair * sin_pairing[0] * sin_col, mask, COMPUTE)
+    sin_second = _load(sin_row + (pair * sin_pairing[0] + sin_pairing[1]) * sin_col, mask, COMPUTE)
+    out_row = _offset(coords, out_strides)
+    _store(out_ptr, out_row + first * out_col, n_first * cos_first - n_second * sin_first, mask)
+    _store(out_ptr, out_row + second * out_col, n_second * cos_second + n_first * sin_second, mask)
 
 
 @triton.jit
@@ -492,6 +536,52 @@ def rope(x, cos, sin, interleaved, out_dtype=None):
     out_dtype, work_dtype = rope_rules(x, cos, sin, out_dtype)
     fallback = partial(reference.rope, x, cos, sin, interleaved, out_dtype)
     return _run(x.shape, out_dtype, work_dtype, fallback, _launch_rope, x, cos, sin, interleaved)
+
+
+_TRITON_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                 torch.float64: tl.float64}
+
+
+def _launch_norm_rope(out, compute, xs, dim, weights, eps, norm_dtype, cos, sin, interleaved):
+    """Launch the norm_rope kernel once per stream, into the stream's slice of ``out``: a program per row."""
+    width = out.shape[-1]
+    pairs = width // 2
+    x_pairing = (2, 1) if interleaved else (1, pairs)
+    tables = [table.expand(*out.shape[:-1], table.shape[-1]) for table in (cos, sin)]
+    table_pairings = [_table_pairing(t.shape[-1], width, x_pairing) for t in tables]
+    start = 0
+    for x, weight in zip(xs, weights):
+        length = x.shape[dim]
+        if x.numel() == 0:
+            continue
+        piece = [t.narrow(dim, start, length) for t in (*tables, out)]
+        start += length
+        w = x if weight is None else weight.expand(x.shape)  # HAS_WEIGHT=False: never read
+        normed = _TRITON_TYPES[norm_dtype or x.dtype]
+        _norm_rope_kernel[(x.numel() // width,)](
+            *_strided_args(x.shape[:-1], [x, w, *piece], columns=True), pairs, width, eps,
+            x_pairing, *table_pairings,
+            HAS_WEIGHT=weight is not None, NORMED=normed, COMPUTE=compute,
+            BLOCK_PAIRS=triton.next_power_of_2(pairs), num_warps=min(max(pairs // 256, 1), 8),
+        )
+
+
+@_triton_kernel(NORM_ROPE, slower="not measured on a GPU yet (bench/gpu_check.sh measures it)")
+def norm_rope(xs, dim, weights, eps, norm_dtype, cos, sin, interleaved, out_dtype=None):
+    """Each stream's RMSNorm and rotation in one program per row, written into its slice of the output."""
+    out_dtype, work_dtype = norm_rope_rules(xs, dim, weights, eps, norm_dtype, cos, sin, out_dtype)
+    fallback = partial(reference.norm_rope, xs, dim, weights, eps, norm_dtype, cos, sin, interleaved, out_dtype)
+    width = xs[0].shape[-1]
+    if width // 2 > MAX_ROW_BLOCK or (norm_dtype is not None and norm_dtype not in _TRITON_TYPES):
+        return fallback()
+    dim = dim % xs[0].dim()
+    shape = (*xs[0].shape[:dim], sum(x.shape[dim] for x in xs), *xs[0].shape[dim + 1:])
+    tensors = [*xs, *(w for w in weights if w is not None), cos, sin]
+    covered = all(t.dtype in _FLOAT_DTYPES for t in tensors) and len({t.device for t in tensors}) == 1
+    if not covered:
+        return fallback()
+    return _run(shape, out_dtype, work_dtype, fallback, _launch_norm_rope, xs, dim, weights, eps, norm_dtype, cos,
+                sin, interleaved)
 
 
 def _launch_elementwise(kernel, out, compute, *operands):
