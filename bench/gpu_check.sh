@@ -17,7 +17,7 @@ mkdir -p "$OUT_DIR"
 DRY=0
 BUDGET="${GPU_CHECK_BUDGET:-450}"
 # the elementwise families declared not faster than eager on CUDA (uncaptured), forced on to measure them captured
-FORCE_ELEMENTWISE="--force rms_norm --force adalayernorm --force fast_gelu --force mul_add"
+FORCE_ELEMENTWISE="--force rms_norm --force norm_rope --force adalayernorm --force fast_gelu --force mul_add"
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 
 STEPS=(

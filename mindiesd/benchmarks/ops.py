@@ -6,13 +6,15 @@ One row per op x dtype x shape:
   (rms_norm weight [1024]; adalayernorm scale/shift [2, 1, 1024];
   mul_add x * y + z with y a gate [2, 1, 1024] and z a residual like x);
 * rope: x [1, 4096, 24, 128] (Flux layout), cos/sin float32 [1, 4096, 1, 128];
+* norm_rope: Flux's joint attention query, text [1, 512, 24, 128] and image [1, 4096, 24, 128] each RMSNorm-ed
+  with its weight [128], joined along the sequence and rotated (cos/sin float32 [1, 4608, 1, 128]);
 * glu: a projection's output x [2, 4096, 2048] split in two halves, ``first * silu(second)`` (SwiGLU).
 
 With ``--variants`` (implied by ``--quick``) also the other forms the passes match, one row each, named
 ``op:form``: adalayernorm with 1-D scale/shift [1024], interleaved rope with general full-width tables (not one
 value per pair), half-rotated rope (``rotate_half``), fast_gelu against the written-out tanh formula, mul_add
-with y as large as x, glu with the exact GELU (GEGLU), and glu of two projections ``silu(a) * b`` (LLaMA-style) and
-``gelu_tanh(a) * b``.
+with y as large as x, glu with the exact GELU (GEGLU), glu of two projections ``silu(a) * b`` (LLaMA-style) and
+``gelu_tanh(a) * b``, and norm_rope of one stream (the image query of a single block).
 
 Columns (milliseconds; per round, the median of ``--reps`` interleaved calls
 of all candidates, in one process, timed by ``benchmarks.timing``, the loop the
@@ -77,7 +79,7 @@ TUNABLES = (
     "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184:"
     "glibc.malloc.top_pad=268435456"
 )
-OP_NAMES = ("rms_norm", "adalayernorm", "rope", "glu", "fast_gelu", "mul_add")
+OP_NAMES = ("rms_norm", "adalayernorm", "rope", "norm_rope", "glu", "fast_gelu", "mul_add")
 WARMUP = 2  # untimed calls of every candidate before the first round
 
 
@@ -109,6 +111,16 @@ def eager_rope_rotate_half(x, cos, sin):
     """Half-rotated RoPE: x * cos + rotate_half(x) * sin (upcast to the tables' float32, cast back)."""
     first, second = x.chunk(2, dim=-1)
     return (x.float() * cos + torch.cat((-second, first), dim=-1).float() * sin).to(x.dtype)
+
+
+def eager_joint_norm_rope(text, image, w_text, w_image, cos, sin):
+    """Flux's joint attention query: each stream's RMSNorm, the streams joined along the sequence, the rotation."""
+    return eager_rope(torch.cat([eager_rms_norm(text, w_text), eager_rms_norm(image, w_image)], dim=1), cos, sin)
+
+
+def eager_norm_rope(x, weight, cos, sin):
+    """A single block's query: its RMSNorm, then the rotation."""
+    return eager_rope(eager_rms_norm(x, weight), cos, sin)
 
 
 def eager_fast_gelu(x):
@@ -197,6 +209,19 @@ def build_cases(dtype: torch.dtype, names: List[str], variants: bool = False, de
                                   eager_rope_rotate_half,
                                   lambda x, c, s: ops.rope.default(x, c, s, False, x.dtype),
                                   (x, cos_half, sin_half), x))
+        elif name == "norm_rope":
+            text, image, w_text, w_image = randn(1, 512, 24, 128), randn(1, 4096, 24, 128), randn(128), randn(128)
+            cos = randn(1, 4608, 1, 64, dt=torch.float32).repeat_interleave(2, dim=-1)
+            sin = randn(1, 4608, 1, 64, dt=torch.float32).repeat_interleave(2, dim=-1)
+            joint = lambda t, i, wt, wi, c, s: ops.norm_rope.default(  # noqa: E731
+                [t, i], 1, [wt, wi], EPS, t.dtype, c, s, True, t.dtype)
+            cases.append(Case(name, "x[1,512+4096,24,128] cos[1,4608,1,128]", eager_joint_norm_rope, joint,
+                              (text, image, w_text, w_image, cos, sin), image))
+            if variants:
+                single = lambda x, w, c, s: ops.norm_rope.default(  # noqa: E731
+                    [x], 1, [w], EPS, x.dtype, c, s, True, x.dtype)
+                cases.append(Case(f"{name}:one_stream", "x[1,4096,24,128] cos[1,4096,1,128]", eager_norm_rope,
+                                  single, (image, w_image, cos[:, 512:], sin[:, 512:]), image))
         elif name == "glu":
             x = randn(2, 4096, 2048)
             cases.append(Case(name, "x[2,4096,2048] halves", eager_swiglu,
