@@ -14,7 +14,8 @@ With ``--variants`` (implied by ``--quick``) also the other forms the passes mat
 ``op:form``: adalayernorm with 1-D scale/shift [1024], interleaved rope with general full-width tables (not one
 value per pair), half-rotated rope (``rotate_half``), fast_gelu against the written-out tanh formula, mul_add
 with y as large as x, glu with the exact GELU (GEGLU), glu of two projections ``silu(a) * b`` (LLaMA-style) and
-``gelu_tanh(a) * b``, and norm_rope of one stream (the image query of a single block).
+``gelu_tanh(a) * b``, and norm_rope of one stream (the image query of a single block) and of Wan's query
+(normalised over all 24 heads' values, each head rotated).
 
 Columns (milliseconds; per round, the median of ``--reps`` interleaved calls
 of all candidates, in one process, timed by ``benchmarks.timing``, the loop the
@@ -123,6 +124,11 @@ def eager_norm_rope(x, weight, cos, sin):
     return eager_rope(eager_rms_norm(x, weight), cos, sin)
 
 
+def eager_heads_norm_rope(x, weight, cos, sin):
+    """Wan's query: its RMSNorm over all heads' values, the heads split off, each head rotated."""
+    return eager_rope(eager_rms_norm(x, weight).unflatten(-1, (-1, cos.shape[-1])), cos, sin)
+
+
 def eager_fast_gelu(x):
     return F.gelu(x, approximate="tanh")
 
@@ -214,14 +220,19 @@ def build_cases(dtype: torch.dtype, names: List[str], variants: bool = False, de
             cos = randn(1, 4608, 1, 64, dt=torch.float32).repeat_interleave(2, dim=-1)
             sin = randn(1, 4608, 1, 64, dt=torch.float32).repeat_interleave(2, dim=-1)
             joint = lambda t, i, wt, wi, c, s: ops.norm_rope.default(  # noqa: E731
-                [t, i], 1, [wt, wi], EPS, t.dtype, c, s, True, t.dtype)
+                [t, i], 1, [wt, wi], EPS, t.dtype, 128, c, s, True, t.dtype)
             cases.append(Case(name, "x[1,512+4096,24,128] cos[1,4608,1,128]", eager_joint_norm_rope, joint,
                               (text, image, w_text, w_image, cos, sin), image))
             if variants:
                 single = lambda x, w, c, s: ops.norm_rope.default(  # noqa: E731
-                    [x], 1, [w], EPS, x.dtype, c, s, True, x.dtype)
+                    [x], 1, [w], EPS, x.dtype, 128, c, s, True, x.dtype)
                 cases.append(Case(f"{name}:one_stream", "x[1,4096,24,128] cos[1,4096,1,128]", eager_norm_rope,
                                   single, (image, w_image, cos[:, 512:], sin[:, 512:]), image))
+                rows, w_rows = image.flatten(-2), randn(24 * 128)
+                heads = lambda x, w, c, s: ops.norm_rope.default(  # noqa: E731
+                    [x], 1, [w], EPS, x.dtype, 128, c, s, True, x.dtype).unflatten(-1, (-1, 128))
+                cases.append(Case(f"{name}:heads", "x[1,4096,24*128] cos[1,4096,1,128]", eager_heads_norm_rope,
+                                  heads, (rows, w_rows, cos[:, 512:], sin[:, 512:]), rows))
         elif name == "glu":
             x = randn(2, 4096, 2048)
             cases.append(Case(name, "x[2,4096,2048] halves", eager_swiglu,

@@ -163,9 +163,11 @@ def expected_sd3(model):
 def expected_wan(model):
     blocks = model.blocks
     return {
-        "rms_norm": rms_norms(model),
-        "rope": 2 * len(blocks),  # q and k of the self-attention (attn1)
-        "norm_rope": 0,  # norm_q/k run over all heads before the heads are split: not the rotated rows
+        # norm_q and norm_k of attn1 and attn2 (over all heads' values); attn1's are joined with its rotation
+        "rms_norm": rms_norms(model) - 2 * len(blocks),
+        "rope": 0,
+        # q and k of the self-attention (attn1): normalised over all heads, split into heads, each head rotated
+        "norm_rope": 2 * len(blocks),
         # norm1 and norm3 are modulated in every block, plus the final norm_out modulation
         "adalayernorm": 2 * len(blocks) + 1,
         "glu": 0,  # tanh-GELU feed-forwards, no gated activation

@@ -360,9 +360,12 @@ def expected_pixart(model):
 def expected_hidream(model):
     double, single = len(model.double_stream_blocks), len(model.single_stream_blocks)
     return {
-        "rms_norm": rms_norms(model),  # q/k norms: image and text stream per double block, one pair per single
-        "rope": 2 * (double + single),  # q and k in every block (2x2 rotation-matrix form)
-        "norm_rope": 0,  # the q/k norms run over all heads, before the heads are split
+        # q/k norms: image and text stream per double block, one pair per single, all joined with the rotation
+        "rms_norm": rms_norms(model) - 4 * double - 2 * single,
+        "rope": 0,
+        # q and k in every block (2x2 rotation-matrix form): each stream normalised over all heads and split into
+        # heads, the double blocks' streams then joined along the sequence
+        "norm_rope": 2 * (double + single),
         # norm1_i, norm1_t, norm3_i, norm3_t per double block, norm1_i, norm3_i per single block, final_layer
         "adalayernorm": 4 * double + 2 * single + 1,
         # `silu(w1(x)) * w3(x)`: ff_i, ff_t, and in MoE layers the shared and every routed expert (at the registry's
@@ -430,9 +433,9 @@ def expected_chroma(model):
 def expected_skyreels_v2(model):
     n = len(model.blocks)
     return {
-        "rms_norm": rms_norms(model),  # norm_q and norm_k of attn1 and attn2
-        "rope": 2 * n,  # q and k of attn1 (Wan's strided form)
-        "norm_rope": 0,  # norm_q/k run over all heads, as in Wan
+        "rms_norm": rms_norms(model) - 2 * n,  # norm_q and norm_k of attn1 and attn2, less attn1's (joined)
+        "rope": 0,
+        "norm_rope": 2 * n,  # q and k of attn1 (Wan's strided form), normalised over all heads as in Wan
         "adalayernorm": 2 * n + 1,  # norm1 and norm3 of every block, and the final norm_out modulation
         "glu": 0,  # tanh-GELU feed-forwards
         "fast_gelu": tanh_gelus(model),  # ffn of every block and the text embedder
@@ -489,7 +492,7 @@ def expected_anyflow(model):
     return {
         "rms_norm": rms_norms(model),  # norm_q and norm_k (across heads) of attn1 and attn2
         "rope": 2 * n,  # q and k of attn1 (complex form, float64 table)
-        "norm_rope": 0,  # norm_q/k run over all heads, as in Wan
+        "norm_rope": 0,  # the rotation reads heads-first [B, H, S, D] views (transposed), not the norm's rows
         # fp32 norm1 and norm3 of every block with per-token modulation, and norm_out; norm2 is affine, unmodulated
         "adalayernorm": 2 * n + 1,
         "glu": 0,  # tanh-GELU feed-forwards

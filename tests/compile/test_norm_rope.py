@@ -2,8 +2,8 @@
 
 Counted in the final graph of diffusers' own blocks (Flux's double block joins the text and image streams, its
 single block rotates right after the norm) and of the registry's models, in fp32, bf16 and fp16, against eager;
-with the family off, the rms_norm and rope ops it would join are there instead; the forms it must leave alone
-stay unfused and correct.
+Wan's norm over all heads before they are split; with the family off, the rms_norm and rope ops it would join are
+there instead; the forms it must leave alone stay unfused and correct.
 """
 
 import pytest
@@ -146,8 +146,9 @@ def test_forms_that_are_left_alone(module, why):
     assert_close(out, ref)
 
 
-def test_a_norm_over_all_heads_is_not_the_rotated_rows():
-    """Wan's form: norm_q over the heads' H * D values, then the heads split off, then the rotation per head."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_norm_over_all_heads_rotated_per_head_is_joined(dtype):
+    """Wan's form: norm_q over all heads' H * D values, the heads split off by a view, each head rotated."""
 
     def forward(x, weight, cos, sin):
         from diffusers.models.embeddings import apply_rotary_emb
@@ -156,8 +157,9 @@ def test_a_norm_over_all_heads_is_not_the_rotated_rows():
         return apply_rotary_emb(normed.unflatten(-1, (3, 32)), (cos, sin), sequence_dim=1)
 
     cos, sin = rotary(9, 32)
-    out, ref, counts, _ = run_compiled(forward, rand(2, 9, 96, seed=1), rand(96, seed=2), cos, sin)
-    assert (counts["norm_rope"], counts["rms_norm"], counts["rope"]) == (0, 1, 1)
+    out, ref, counts, _ = run_compiled(forward, rand(2, 9, 96, dtype=dtype, seed=1), rand(96, dtype=dtype, seed=2),
+                                       cos, sin)
+    assert (counts["norm_rope"], counts["rms_norm"], counts["rope"]) == (1, 0, 0)
     assert_close(out, ref)
 
 
@@ -168,24 +170,26 @@ def test_op_equals_its_op_sequence_and_defaults_to_the_streams_dtype():
     cos, sin = _tables(8, 32)
     joined = torch.cat([ops.rms_norm(x, w, 1e-6), ops.rms_norm(y, None, 1e-6)], 1)
     expected = ops.rope(joined, cos, sin, True, torch.bfloat16)
-    fused = ops.norm_rope([x, y], 1, [w, None], 1e-6, None, cos, sin, True, torch.bfloat16)
+    fused = ops.norm_rope([x, y], 1, [w, None], 1e-6, None, 32, cos, sin, True, torch.bfloat16)
     assert fused.is_contiguous() and fused.shape == expected.shape
     torch.testing.assert_close(fused, expected, rtol=1.6e-2, atol=1e-2)
-    named = ops.norm_rope([x, y], 1, [w, None], 1e-6, torch.bfloat16, cos, sin, True, torch.bfloat16)
+    named = ops.norm_rope([x, y], 1, [w, None], 1e-6, torch.bfloat16, 32, cos, sin, True, torch.bfloat16)
     assert torch.equal(named, fused)
 
 
 @pytest.mark.parametrize(
     "call,message",
     [
-        (lambda x, c: ops.norm_rope([x], 1, [None, None], 1e-6, None, c, c, True), "one weight"),
-        (lambda x, c: ops.norm_rope([x], 3, [None], 1e-6, None, c, c, True), "but the last"),
-        (lambda x, c: ops.norm_rope([x, x[:, :, :2]], 1, [None, None], 1e-6, None, c, c, True), "every dimension"),
-        (lambda x, c: ops.norm_rope([x], 1, [torch.ones(16)], 1e-6, None, c, c, True), "must be None or"),
-        (lambda x, c: ops.norm_rope([x], 1, [None], -1.0, None, c, c, True), "eps"),
-        (lambda x, c: ops.norm_rope([x], 1, [None], 1e-6, torch.int32, c, c, True), "norm_dtype"),
+        (lambda x, c: ops.norm_rope([x], 1, [None, None], 1e-6, None, 32, c, c, True), "one weight"),
+        (lambda x, c: ops.norm_rope([x], 3, [None], 1e-6, None, 32, c, c, True), "but the last"),
+        (lambda x, c: ops.norm_rope([x, x[:, :, :2]], 1, [None, None], 1e-6, None, 32, c, c, True),
+         "every dimension"),
+        (lambda x, c: ops.norm_rope([x], 1, [None], 1e-6, None, 24, c, c, True), "must divide"),
+        (lambda x, c: ops.norm_rope([x], 1, [torch.ones(16)], 1e-6, None, 32, c, c, True), "must be None or"),
+        (lambda x, c: ops.norm_rope([x], 1, [None], -1.0, None, 32, c, c, True), "eps"),
+        (lambda x, c: ops.norm_rope([x], 1, [None], 1e-6, torch.int32, 32, c, c, True), "norm_dtype"),
     ],
-    ids=["weights_per_x", "last_dim", "shapes", "weight_width", "eps", "norm_dtype"],
+    ids=["weights_per_x", "last_dim", "shapes", "head_dim", "weight_width", "eps", "norm_dtype"],
 )
 def test_bad_input_is_named(call, message):
     cos, _ = _tables(5, 32)
@@ -195,7 +199,8 @@ def test_bad_input_is_named(call, message):
 
 # ------------------------------------------------------------------------------------------------ models
 #: The registry's models with norm_rope sites (their expected counts say so, checked below).
-JOINED_MODELS = ["flux", "qwen_image", "hunyuan_video", "ltx_video", "lumina2", "chroma", "flux2"]
+JOINED_MODELS = ["flux", "wan", "qwen_image", "hunyuan_video", "ltx_video", "lumina2", "hidream", "chroma",
+                 "skyreels_v2", "flux2"]
 
 
 def _output(result):

@@ -33,9 +33,9 @@ def test_tiny_model_fuses_every_site_and_matches_eager(name, dtype):
     case = zoo.build(name, "tiny", dtype=dtype)
     expected = case.expected()
     # every family has sites but these: the core models' feed-forwards are tanh-GELU, not gated (glu is checked on
-    # the gated models of the dits group); SD3 has no RoPE; norm_rope joins every RMSNorm and RoPE of Flux (their
-    # own fusion there is checked with norm_rope off in test_norm_rope.py), and Wan's norms span all heads
-    no_sites = {"flux": {"glu", "rms_norm", "rope"}, "sd3": {"glu", "rope", "norm_rope"}, "wan": {"glu", "norm_rope"}}
+    # the gated models of the dits group); SD3 has no RoPE; norm_rope joins every RMSNorm and RoPE of Flux and
+    # every RoPE of Wan (their own fusion there is checked with norm_rope off in test_norm_rope.py)
+    no_sites = {"flux": {"glu", "rms_norm", "rope"}, "sd3": {"glu", "rope", "norm_rope"}, "wan": {"glu", "rope"}}
     assert {f for f in FAMILIES if expected[f] == 0} == no_sites[name]
 
     backend = MindieSDBackend(keep_graphs=True)

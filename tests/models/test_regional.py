@@ -117,10 +117,12 @@ def _no_fallback(caught):
 def _outside_blocks(model, blocks):
     """Fused sites of a core model outside its repeated blocks, from its modules: the final ``norm_out``
     modulation (Flux and SD3: AdaLayerNormContinuous; Wan: inline) and the RMSNorm / tanh-GELU modules of the
-    embedders. RoPE and the gated residuals live only in blocks; the core models have no gated activation."""
+    embedders. RoPE (with the q/k norms norm_rope joins to it) and the gated residuals live only in blocks; the
+    core models have no gated activation."""
     from mindiesd.zoo._base import rms_norms, tanh_gelus
 
-    return {"rms_norm": rms_norms(model) - sum(rms_norms(b) for b in blocks), "rope": 0, "adalayernorm": 1,
+    return {"rms_norm": rms_norms(model) - sum(rms_norms(b) for b in blocks), "rope": 0, "norm_rope": 0,
+            "adalayernorm": 1,
             "glu": 0, "fast_gelu": tanh_gelus(model) - sum(tanh_gelus(b) for b in blocks), "mul_add": 0}
 
 

@@ -73,14 +73,18 @@ CASES = {
         # the text and image streams of joint attention, [B, H, S_i, D], joined along S; the normalised values are
         # rounded to the streams' dtype (named, so that the float64 reference rounds them too)
         "joint_interleaved": lambda dt: ([randn(2, 3, 3, 32, dtype=dt), randn(2, 3, 5, 32, dtype=dt, seed=1)], 2,
-                                         [randn(32, dtype=dt, seed=2), randn(32, dtype=dt, seed=3)], 1e-6, dt,
+                                         [randn(32, dtype=dt, seed=2), randn(32, dtype=dt, seed=3)], 1e-6, dt, 32,
                                          *_tables(8, 32, dt), True),
-        "single_half_unweighted": lambda dt: ([randn(2, 3, 8, 32, dtype=dt)], 0, [None], 1e-5, dt,
+        "single_half_unweighted": lambda dt: ([randn(2, 3, 8, 32, dtype=dt)], 0, [None], 1e-5, dt, 32,
                                               *_tables(8, 32, dt), False),
         # normalised values kept in float32 (an upcast before a complex rotation), per-pair fp32 tables, a strided x
         "float32_norm_per_pair": lambda dt: ([randn(2, 3, 4, 32, dtype=dt), _heads_first(2, 4, 3, 32, dt)], 2,
-                                             [None, randn(32, dtype=dt, seed=4)], 1e-6, torch.float32,
+                                             [None, randn(32, dtype=dt, seed=4)], 1e-6, torch.float32, 32,
                                              *_tables(8, 32, torch.float32, per_pair=True), True, dt),
+        # Wan's form: rows of all 3 heads' values [B, S, 3 * 32] normalised, each head rotated (tables [S, 1, 32])
+        "heads_joint_half": lambda dt: ([randn(2, 2, 96, dtype=dt), randn(2, 6, 96, dtype=dt, seed=1)], 1,
+                                        [randn(96, dtype=dt, seed=2), None], 1e-6, dt, 32,
+                                        *(t[:, None] for t in _tables(8, 32, dt)), False),
     },
     "adalayernorm": {
         "per_sample": lambda dt: (randn(2, 7, 48, dtype=dt), randn(2, 1, 48, dtype=dt, seed=1),

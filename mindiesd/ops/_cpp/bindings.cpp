@@ -19,8 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("out_dtype"), release);
   m.def("rope", &mindiesd_cpu::rope, arg("x"), arg("cos"), arg("sin"), arg("interleaved"), arg("out_dtype"),
         release);
-  m.def("norm_rope", &mindiesd_cpu::norm_rope, arg("xs"), arg("dim"), arg("weights"), arg("eps"), arg("norm_dtype"), arg("cos"),
-        arg("sin"), arg("interleaved"), arg("out_dtype"), release);
+  m.def("norm_rope", &mindiesd_cpu::norm_rope, arg("xs"), arg("dim"), arg("weights"), arg("eps"), arg("norm_dtype"),
+        arg("head_dim"), arg("cos"), arg("sin"), arg("interleaved"), arg("out_dtype"), release);
   m.def("glu", &mindiesd_cpu::glu, arg("x"), arg("y"), arg("activation"), arg("gate_first"), release);
   m.def("fast_gelu", &mindiesd_cpu::fast_gelu, arg("x"), release);
   m.def("mul_add", &mindiesd_cpu::mul_add, arg("x"), arg("y"), arg("z"), release);

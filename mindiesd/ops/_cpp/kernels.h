@@ -27,8 +27,8 @@ std::optional<at::Tensor> rope(
     at::ScalarType out_dtype);
 std::optional<at::Tensor> norm_rope(
     const std::vector<at::Tensor>& xs, int64_t dim, const std::vector<std::optional<at::Tensor>>& weights,
-    double eps, std::optional<at::ScalarType> norm_dtype, const at::Tensor& cos, const at::Tensor& sin,
-    bool interleaved, at::ScalarType out_dtype);
+    double eps, std::optional<at::ScalarType> norm_dtype, int64_t head_dim, const at::Tensor& cos,
+    const at::Tensor& sin, bool interleaved, at::ScalarType out_dtype);
 std::optional<at::Tensor> glu(
     const at::Tensor& x, const std::optional<at::Tensor>& y, const std::string& activation, bool gate_first);
 std::optional<at::Tensor> fast_gelu(const at::Tensor& x);

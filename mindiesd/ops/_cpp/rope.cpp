@@ -134,17 +134,22 @@ inline std::pair<fVec, fVec> normed_block(const BlockT& block, const TX* xr, con
   return {a, b};
 }
 
-// The rows of one stream: RMSNorm of each row of x, then its rotation, into the rows of ``out`` (the stream's
-// slice of the concatenation).  The weight is float32 (a [D] weight is small beside the rows it scales).
+// The rows of one stream: RMSNorm of each row of x, then the rotation of each of its heads of ``head_dim``
+// values (one head: the whole row), into the rows of ``out`` (the stream's slice of the concatenation).  The
+// tables hold the first head's values of a row; ``table_head_step`` floats further on are the next head's (0
+// when every head reads the same).  The weight is float32 (a [W] weight is small beside the rows it scales).
 template <typename T, bool kWeighted, bool kRound, bool kInterleaved, bool kPerPair>
 void norm_rope_kernel(
-    const Tensor& x, const Tensor& weight, const Tensor& cos, const Tensor& sin, Tensor& out, float eps) {
-  const int64_t width = x.size(-1);
+    const Tensor& x, const Tensor& weight, const Tensor& cos, const Tensor& sin, Tensor& out, float eps,
+    int64_t head_dim, int64_t table_head_step) {
+  const int64_t row_width = x.size(-1);
+  const int64_t width = head_dim;
+  const int64_t heads = row_width / head_dim;
   const int64_t half = width / 2;
   const int64_t second_table = kPerPair ? 0 : half;
-  const float inv_width = 1.0f / static_cast<float>(width);
-  auto body = [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr) {
-    const fVec inv_rms(1.0f / std::sqrt(sum_of_squares(xr, width) * inv_width + eps));
+  const float inv_width = 1.0f / static_cast<float>(row_width);
+  auto head = [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr,
+                  const fVec& inv_rms) {
     if constexpr (kInterleaved) {
       for_each_block(0, width, walk.stream, [&](const auto& block) {
         const auto [a, b] = normed_block<T, kWeighted, kRound>(block, xr, wr, inv_rms);
@@ -164,6 +169,13 @@ void norm_rope_kernel(
         block.store(outr, at::vec::fmsub(x1a, c1a, x2a * s1a), at::vec::fmsub(x1b, c1b, x2b * s1b));
         block.store(outr + half, at::vec::fmadd(x2a, c2a, x1a * s2a), at::vec::fmadd(x2b, c2b, x1b * s2b));
       });
+    }
+  };
+  auto body = [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr) {
+    const fVec inv_rms(1.0f / std::sqrt(sum_of_squares(xr, row_width) * inv_width + eps));
+    for (int64_t h = 0; h < heads; ++h) {
+      head(walk, outr + h * head_dim, xr + h * head_dim, kWeighted ? wr + h * head_dim : wr,
+           cr + h * table_head_step, sr + h * table_head_step, inv_rms);
     }
   };
   if constexpr (kWeighted) {
@@ -251,8 +263,8 @@ std::optional<Tensor> rope(
 
 std::optional<Tensor> norm_rope(
     const std::vector<Tensor>& xs_in, int64_t dim, const std::vector<std::optional<Tensor>>& weights_in, double eps,
-    std::optional<ScalarType> norm_dtype, const Tensor& cos_in, const Tensor& sin_in, bool interleaved,
-    ScalarType out_dtype) {
+    std::optional<ScalarType> norm_dtype, int64_t head_dim, const Tensor& cos_in, const Tensor& sin_in,
+    bool interleaved, ScalarType out_dtype) {
   if (xs_in.empty() || weights_in.size() != xs_in.size()) {
     return std::nullopt;
   }
@@ -263,7 +275,8 @@ std::optional<Tensor> norm_rope(
   // The output in x's dtype, the normalised values rounded to it or kept in float32 (the usual cases; others are
   // left to the composition).
   const ScalarType normed = norm_dtype.value_or(first.scalar_type());
-  if (rank < 2 || d < 0 || d >= rank - 1 || width == 0 || width % 2 != 0 || out_dtype != first.scalar_type() ||
+  if (rank < 2 || d < 0 || d >= rank - 1 || head_dim <= 0 || width % head_dim != 0 || head_dim % 2 != 0 ||
+      out_dtype != first.scalar_type() ||
       (normed != first.scalar_type() && normed != ScalarType::Float) || !covers_rows(first, out_dtype)) {
     return std::nullopt;
   }
@@ -284,26 +297,37 @@ std::optional<Tensor> norm_rope(
   }
   at::NoGradGuard no_grad;
   Tensor out = empty_output(first, sizes, out_dtype);
+  // The tables broadcast into the heads' view of the output, [..., W / head_dim, head_dim] (or the output itself
+  // when one head spans the row).
+  const int64_t heads = width / head_dim;
+  std::vector<int64_t> rotated = sizes;
+  if (heads > 1) {
+    rotated.back() = heads;
+    rotated.push_back(head_dim);
+  }
   bool per_pair = true;
   for (const Tensor* t : {&cos_in, &sin_in}) {
-    if (t->dim() < 1 || !covers_rope_table(*t, out)) {
+    if (t->dim() < 1 || !on_cpu(*t) ||
+        !(is_covered_float(t->scalar_type()) || t->scalar_type() == ScalarType::Double) ||
+        !broadcasts_into_rows(*t, rotated)) {
       return std::nullopt;
     }
     const int64_t last = t->size(-1);
-    if (last != width && last != width / 2 && last != 1) {
+    if (last != head_dim && last != head_dim / 2 && last != 1) {
       return std::nullopt;
     }
-    if (last == width && last != 1) {
+    if (last == head_dim && last != 1) {
       per_pair = false;
     }
   }
   if (out.numel() == 0) {
     return out;
   }
-  const int64_t table_width = per_pair ? width / 2 : width;
+  const int64_t table_width = per_pair ? head_dim / 2 : head_dim;
+  int64_t head_step = 0;
   auto prepare = [&](const Tensor& t) {
     Tensor table = t;
-    if (!per_pair && t.size(-1) == width / 2) {
+    if (!per_pair && t.size(-1) == head_dim / 2) {
       if (interleaved) {
         table = t.to(ScalarType::Float).repeat_interleave(2, -1);
       } else {
@@ -312,10 +336,19 @@ std::optional<Tensor> norm_rope(
         table = t.repeat(twice);
       }
     }
-    return as_row_operand(table, out.sizes(), table_width, ScalarType::Float);
+    table = as_row_operand(table, rotated, table_width, ScalarType::Float);
+    if (heads > 1) {  // the first head's values, and the step to the next head's
+      head_step = table.size(-2) == 1 ? 0 : table.stride(-2);
+      table = table.select(-2, 0);
+    }
+    return table;
   };
   const Tensor cos = prepare(cos_in);
+  const int64_t cos_head_step = head_step;
   const Tensor sin = prepare(sin_in);
+  if (head_step != cos_head_step) {  // one step for both tables
+    return std::nullopt;
+  }
   const float eps_f = static_cast<float>(eps);
   // Each stream's slice of the output is contiguous once the dims before ``d`` are fixed.
   int64_t outer = 1;
@@ -355,11 +388,14 @@ std::optional<Tensor> norm_rope(
           constexpr bool kInterleaved = decltype(interleaved_tag)::value;
           constexpr bool kPerPair = decltype(per_pair_tag)::value;
           if constexpr (std::is_same_v<T, float>) {
-            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f);
+            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f, head_dim,
+                                                                          head_step);
           } else if (round_normed) {
-            norm_rope_kernel<T, kWeighted, true, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f);
+            norm_rope_kernel<T, kWeighted, true, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f, head_dim,
+                                                                         head_step);
           } else {
-            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f);
+            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f, head_dim,
+                                                                          head_step);
           }
         };
         auto with_form = [&](auto weighted_tag) {

@@ -5,7 +5,10 @@ Joint attention (Flux, HunyuanVideo, Chroma, ...) normalises the text and the im
 each with its own RMSNorm, concatenates the streams along the sequence and rotates the result:
 ``rope(cat([rms_norm(x_1, w_1), ..., rms_norm(x_n, w_n)], dim), cos, sin)``. This op reads each stream once and
 writes the normalised, rotated rows into their slice of one output, the tensor attention reads; the normalised
-values and the concatenation are never written. With one stream it is the plain norm + RoPE.
+values and the concatenation are never written. With one stream it is the plain norm + RoPE. With ``head_dim``
+below the normalised width, each row is the ``H * head_dim`` values of all heads (Wan, HiDream: the norm runs
+before the heads are split) and each head's ``head_dim`` values are rotated, the tables broadcasting into the
+heads' view ``[..., H, head_dim]``; the output keeps the rows' shape (the caller views it as the heads).
 
 Each normalised value is rounded to ``norm_dtype`` (the replaced norms' output dtype: the streams' own, or float32
 where the model upcasts before a complex rotation) before it is rotated, as the ops it replaces do.
@@ -27,11 +30,13 @@ from .rope import table_rules
 
 def norm_rope_rules(
     xs: Sequence[torch.Tensor], dim: int, weights: Sequence[Optional[torch.Tensor]], eps: float,
-    norm_dtype: Optional[torch.dtype], cos: torch.Tensor, sin: torch.Tensor, out_dtype: Optional[torch.dtype],
+    norm_dtype: Optional[torch.dtype], head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+    out_dtype: Optional[torch.dtype],
 ) -> tuple[torch.dtype, torch.dtype]:
     """Validate norm_rope inputs (one or more xs of one dtype and rank that agree in every dimension but
-    ``dim``, which is not the last; one weight per x, None or [D]; eps >= 0; a floating norm_dtype or None;
-    cos/sin as rope takes them for the concatenation); return (output dtype, compute dtype)."""
+    ``dim``, which is not the last; one weight per x, None or [W]; eps >= 0; a floating norm_dtype or None;
+    head_dim dividing W; cos/sin as rope takes them for the concatenation, seen as heads of head_dim values);
+    return (output dtype, compute dtype)."""
     if not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError("mindiesd.norm_rope: xs must be a list of one or more tensors")
     if not isinstance(weights, (list, tuple)) or len(weights) != len(xs):
@@ -59,7 +64,17 @@ def norm_rope_rules(
     for i, w in enumerate(weights):
         if w is not None and (w.dim() != 1 or w.shape[0] != width):
             raise ValueError(f"mindiesd.norm_rope: weights[{i}] {shape_str(w.shape)} must be None or [{width}]")
-    return table_rules("norm_rope", concat_shape(xs, dim), norm_dtype or first.dtype, cos, sin, out_dtype)
+    if not isinstance(head_dim, int) or head_dim < 1 or width % head_dim != 0:
+        raise ValueError(f"mindiesd.norm_rope: head_dim {head_dim!r} must divide the normalised width {width}")
+    return table_rules("norm_rope", rotated_shape(concat_shape(xs, dim), head_dim), norm_dtype or first.dtype, cos,
+                       sin, out_dtype)
+
+
+def rotated_shape(shape: Sequence, head_dim: int) -> tuple:
+    """The shape the rotation (and its tables) sees: ``shape``, or its last dim split into heads of head_dim."""
+    if shape[-1] == head_dim:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] // head_dim, head_dim)
 
 
 def reference(
@@ -68,21 +83,24 @@ def reference(
     weights: Sequence[Optional[torch.Tensor]],
     eps: float,
     norm_dtype: Optional[torch.dtype],
+    head_dim: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
     interleaved: bool = True,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``rope(cat([rms_norm(x_i, w_i, eps, norm_dtype or x_i.dtype)], dim), cos, sin, interleaved, out_dtype)``."""
-    out_dtype, _ = norm_rope_rules(xs, dim, weights, eps, norm_dtype, cos, sin, out_dtype)
+    """``rope(cat([rms_norm(x_i, w_i, eps, norm_dtype or x_i.dtype)], dim) as heads of head_dim, cos, sin,
+    interleaved, out_dtype)`` in the concatenation's shape."""
+    out_dtype, _ = norm_rope_rules(xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, out_dtype)
     normed = [rms_norm_reference(x, w, eps, norm_dtype or x.dtype) for x, w in zip(xs, weights)]
     joined = torch.cat(normed, dim) if len(normed) > 1 else normed[0].contiguous()
-    return rope_reference(joined, cos, sin, interleaved, out_dtype).contiguous()
+    heads = joined.reshape(rotated_shape(joined.shape, head_dim))
+    return rope_reference(heads, cos, sin, interleaved, out_dtype).reshape(joined.shape).contiguous()
 
 
 NORM_ROPE = registry.declare(registry.OpDef(
-    schema="norm_rope(Tensor[] xs, int dim, Tensor?[] weights, float eps, ScalarType? norm_dtype, Tensor cos, "
-           "Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
+    schema="norm_rope(Tensor[] xs, int dim, Tensor?[] weights, float eps, ScalarType? norm_dtype, int head_dim, "
+           "Tensor cos, Tensor sin, bool interleaved, ScalarType? out_dtype=None) -> Tensor",
     layout="concat", rows=False, layout_args=2,
     reference=reference, checks=norm_rope_rules,
 ))
@@ -91,6 +109,7 @@ public = registry.public_function(NORM_ROPE, """RMSNorm of each of ``xs`` (its o
     along ``dim`` and rotated on the last dim (as :func:`rope`), in one pass.
 
     Equals ``rope(cat([rms_norm(x, w, eps, norm_dtype or x.dtype) for x, w in zip(xs, weights)], dim), cos, sin,
-    interleaved, out_dtype)``; the output is contiguous. Output dtype: ``out_dtype`` or promote(norm_dtype or
-    xs' dtype, cos, sin).
+    interleaved, out_dtype)``, the concatenation seen as heads of ``head_dim`` values for the rotation (``head_dim``
+    = the last dim: no split); the output is contiguous, of the concatenation's shape. Output dtype:
+    ``out_dtype`` or promote(norm_dtype or xs' dtype, cos, sin).
     """)

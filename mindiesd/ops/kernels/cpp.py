@@ -96,8 +96,8 @@ def native(
 
 rms_norm = native(RMS_NORM, lambda t: (t.x, t.w, 1e-6))
 rope = native(ROPE, lambda t: (t.x, t.cos, t.sin, True))
-# x [3, 2, 40] and its first row as a second stream, joined along dim 0; a table per row.
-norm_rope = native(NORM_ROPE, lambda t: ([t.x, t.x[:1]], 0, [t.w, None], 1e-6, None, t.cos[:1], t.sin[:1], False))
+# x [3, 2, 40] and its first row as a second stream, joined along dim 0, rotated as two heads of 20.
+norm_rope = native(NORM_ROPE, lambda t: ([t.x, t.x[:1]], 0, [t.w, None], 1e-6, None, 20, t.cos[:1], t.sin[:1], False))
 adalayernorm = native(ADALAYERNORM, lambda t: (t.x, t.scale, t.shift, 1e-6))
 glu = native(GLU, lambda t: (t.x, None, "gelu", True))
 fast_gelu = native(FAST_GELU, lambda t: (t.x,))

@@ -26,7 +26,7 @@ from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
 from ..defs.mul_add import mul_add_rules
-from ..defs.norm_rope import norm_rope_rules
+from ..defs.norm_rope import norm_rope_rules, rotated_shape
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
@@ -188,16 +188,18 @@ def norm_rope(
     weights: list,
     eps: float,
     norm_dtype: torch.dtype | None,
+    head_dim: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
     interleaved: bool,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The two kernels above in sequence: each stream's RMSNorm, their concatenation, one rotation."""
-    out_dtype, _ = norm_rope_rules(xs, dim, weights, eps, norm_dtype, cos, sin, out_dtype)
+    """The two kernels above in sequence: each stream's RMSNorm, their concatenation, one rotation (of the heads)."""
+    out_dtype, _ = norm_rope_rules(xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, out_dtype)
     normed = [rms_norm(x, w, eps, norm_dtype or x.dtype) for x, w in zip(xs, weights)]
-    joined = torch.cat(normed, dim) if len(normed) > 1 else normed[0]
-    return rope(joined, cos, sin, interleaved, out_dtype)
+    joined = torch.cat(normed, dim) if len(normed) > 1 else normed[0].contiguous()
+    heads = joined.view(rotated_shape(joined.shape, head_dim))
+    return rope(heads, cos, sin, interleaved, out_dtype).view(joined.shape)
 
 
 def _modulated_leading_dims(x_shape: torch.Size, *shapes: torch.Size) -> int:

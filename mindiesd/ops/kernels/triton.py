@@ -30,7 +30,7 @@ from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
 from ..defs.mul_add import mul_add_rules
-from ..defs.norm_rope import norm_rope_rules
+from ..defs.norm_rope import norm_rope_rules, rotated_shape
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
@@ -270,17 +270,20 @@ def _norm_rope_kernel(
     cos_ptr, cos_strides, cos_col,
     sin_ptr, sin_strides, sin_col,
     out_ptr, out_strides, out_col,
-    pairs, width, eps,
+    pairs, head_pairs, head_dim, table_head_step, width, eps,
     x_pairing, cos_pairing, sin_pairing,
     HAS_WEIGHT: tl.constexpr, NORMED: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
 ):
-    """One program per row of one stream: the row's RMSNorm (rounded to NORMED), rotated as ``_rope_kernel`` does,
-    stored through out's strides (the stream's slice of the concatenation)."""
+    """One program per row of one stream: the row's RMSNorm (rounded to NORMED), each head of ``head_dim`` values
+    rotated as ``_rope_kernel`` does (``head_pairs`` pairs a head; a head's tables ``table_head_step`` elements
+    after the previous one's), stored through out's strides (the stream's slice of the concatenation)."""
     row = tl.program_id(0).to(tl.int64)
     coords = _unravel(row, dims)
-    pair = tl.arange(0, BLOCK_PAIRS)
-    mask = pair < pairs
-    first = pair * x_pairing[0]
+    index = tl.arange(0, BLOCK_PAIRS)
+    mask = index < pairs
+    head = index // head_pairs
+    pair = index % head_pairs
+    first = head * head_dim + pair * x_pairing[0]
     second = first + x_pairing[1]
     x_row = x_ptr + _offset(coords, x_strides)
     x_first = _load(x_row + first * x_col, mask, COMPUTE)
@@ -294,8 +297,8 @@ def _norm_rope_kernel(
         n_second = n_second * _load(w_row + second * w_col, mask, COMPUTE)
     n_first = n_first.to(NORMED).to(COMPUTE)
     n_second = n_second.to(NORMED).to(COMPUTE)
-    cos_row = cos_ptr + _offset(coords, cos_strides)
-    sin_row = sin_ptr + _offset(coords, sin_strides)
+    cos_row = cos_ptr + _offset(coords, cos_strides) + head * table_head_step
+    sin_row = sin_ptr + _offset(coords, sin_strides) + head * table_head_step
     cos_first = _load(cos_row + pair * cos_pairing[0] * cos_col, mask, COMPUTE)
     cos_second = _load(cos_row + (pair * cos_pairing[0] + cos_pairing[1]) * cos_col, mask, COMPUTE)
     sin_first = _load(sin_row + pair * sin_pairing[0] * sin_col, mask, COMPUTE)
@@ -542,13 +545,20 @@ _TRITON_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.f
                  torch.float64: tl.float64}
 
 
-def _launch_norm_rope(out, compute, xs, dim, weights, eps, norm_dtype, cos, sin, interleaved):
+def _launch_norm_rope(out, compute, xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, interleaved):
     """Launch the norm_rope kernel once per stream, into the stream's slice of ``out``: a program per row."""
     width = out.shape[-1]
-    pairs = width // 2
-    x_pairing = (2, 1) if interleaved else (1, pairs)
-    tables = [table.expand(*out.shape[:-1], table.shape[-1]) for table in (cos, sin)]
-    table_pairings = [_table_pairing(t.shape[-1], width, x_pairing) for t in tables]
+    pairs, head_pairs = width // 2, head_dim // 2
+    x_pairing = (2, 1) if interleaved else (1, head_pairs)
+    rotated = rotated_shape(out.shape, head_dim)
+    tables = [table.expand(*rotated[:-1], table.shape[-1]) for table in (cos, sin)]
+    table_head_step = 0
+    if len(rotated) > out.dim():  # the first head's values; the next head's one step further (0: the same)
+        if tables[0].stride(-2) != tables[1].stride(-2) or any(t.stride(-1) != 1 for t in tables):
+            tables = [t.contiguous() for t in tables]
+        table_head_step = tables[0].stride(-2)
+        tables = [t.select(-2, 0) for t in tables]
+    table_pairings = [_table_pairing(t.shape[-1], head_dim, x_pairing) for t in tables]
     start = 0
     for x, weight in zip(xs, weights):
         length = x.shape[dim]
@@ -559,7 +569,8 @@ def _launch_norm_rope(out, compute, xs, dim, weights, eps, norm_dtype, cos, sin,
         w = x if weight is None else weight.expand(x.shape)  # HAS_WEIGHT=False: never read
         normed = _TRITON_TYPES[norm_dtype or x.dtype]
         _norm_rope_kernel[(x.numel() // width,)](
-            *_strided_args(x.shape[:-1], [x, w, *piece], columns=True), pairs, width, eps,
+            *_strided_args(x.shape[:-1], [x, w, *piece], columns=True), pairs, head_pairs, head_dim,
+            table_head_step, width, eps,
             x_pairing, *table_pairings,
             HAS_WEIGHT=weight is not None, NORMED=normed, COMPUTE=compute,
             BLOCK_PAIRS=triton.next_power_of_2(pairs), num_warps=min(max(pairs // 256, 1), 8),
@@ -567,10 +578,11 @@ def _launch_norm_rope(out, compute, xs, dim, weights, eps, norm_dtype, cos, sin,
 
 
 @_triton_kernel(NORM_ROPE, slower="not measured on a GPU yet (bench/gpu_check.sh measures it)")
-def norm_rope(xs, dim, weights, eps, norm_dtype, cos, sin, interleaved, out_dtype=None):
+def norm_rope(xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, interleaved, out_dtype=None):
     """Each stream's RMSNorm and rotation in one program per row, written into its slice of the output."""
-    out_dtype, work_dtype = norm_rope_rules(xs, dim, weights, eps, norm_dtype, cos, sin, out_dtype)
-    fallback = partial(reference.norm_rope, xs, dim, weights, eps, norm_dtype, cos, sin, interleaved, out_dtype)
+    out_dtype, work_dtype = norm_rope_rules(xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, out_dtype)
+    fallback = partial(reference.norm_rope, xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, interleaved,
+                       out_dtype)
     width = xs[0].shape[-1]
     if width // 2 > MAX_ROW_BLOCK or (norm_dtype is not None and norm_dtype not in _TRITON_TYPES):
         return fallback()
@@ -580,8 +592,8 @@ def norm_rope(xs, dim, weights, eps, norm_dtype, cos, sin, interleaved, out_dtyp
     covered = all(t.dtype in _FLOAT_DTYPES for t in tensors) and len({t.device for t in tensors}) == 1
     if not covered:
         return fallback()
-    return _run(shape, out_dtype, work_dtype, fallback, _launch_norm_rope, xs, dim, weights, eps, norm_dtype, cos,
-                sin, interleaved)
+    return _run(shape, out_dtype, work_dtype, fallback, _launch_norm_rope, xs, dim, weights, eps, norm_dtype,
+                head_dim, cos, sin, interleaved)
 
 
 def _launch_elementwise(kernel, out, compute, *operands):
