@@ -37,24 +37,22 @@ def _randomized(block, dtype):
     return block.to(dtype).eval()
 
 
-def flux_double_block(dtype, heads=2, head_dim=32, text=5, image=12):
-    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+def _flux_block(cls_name, batch, dtype, heads=2, head_dim=32, text=5, image=12):
+    from diffusers.models.transformers import transformer_flux
 
     dim = heads * head_dim
-    block = _randomized(FluxTransformerBlock(dim, heads, head_dim), dtype)
-    args = (rand(1, image, dim, dtype=dtype, seed=1), rand(1, text, dim, dtype=dtype, seed=2),
-            rand(1, dim, dtype=dtype, seed=3), rotary(text + image, head_dim))
+    block = _randomized(getattr(transformer_flux, cls_name)(dim, heads, head_dim), dtype)
+    args = (rand(batch, image, dim, dtype=dtype, seed=1), rand(batch, text, dim, dtype=dtype, seed=2),
+            rand(batch, dim, dtype=dtype, seed=3), rotary(text + image, head_dim))
     return block, args
 
 
-def flux_single_block(dtype, heads=2, head_dim=32, text=5, image=12):
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+def flux_double_block(dtype):
+    return _flux_block("FluxTransformerBlock", 1, dtype)
 
-    dim = heads * head_dim
-    block = _randomized(FluxSingleTransformerBlock(dim, heads, head_dim), dtype)
-    args = (rand(2, image, dim, dtype=dtype, seed=1), rand(2, text, dim, dtype=dtype, seed=2),
-            rand(2, dim, dtype=dtype, seed=3), rotary(text + image, head_dim))
-    return block, args
+
+def flux_single_block(dtype):
+    return _flux_block("FluxSingleTransformerBlock", 2, dtype)
 
 
 def _run(block, args, config=None):

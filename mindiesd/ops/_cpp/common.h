@@ -279,6 +279,32 @@ inline float sum_of_squares(const T* p, int64_t width) {
       [](const auto&, const fVec&, const fVec&) {});
 }
 
+// Rounds two float32 vectors to the 16-bit type T and back, as a tensor of T would hold them (float: as is).
+template <typename T>
+inline void round_through(fVec& a, fVec& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(from_float<T>(a, b));
+  }
+}
+
+// A block of a row normalised (rms_norm.cpp, rope.cpp's norm_rope): x * inv_rms (* weight), rounded to x's type as
+// an output of that type would be when ``kRound`` (else kept in float32).
+template <typename TX, typename TW, bool kWeighted, bool kRound, typename BlockT>
+inline std::pair<fVec, fVec> normed_block(const BlockT& block, const TX* xr, const TW* wr, const fVec& inv_rms) {
+  auto [a, b] = block.load(xr);
+  a = a * inv_rms;
+  b = b * inv_rms;
+  if constexpr (kWeighted) {
+    const auto [wa, wb] = block.load(wr);
+    a = a * wa;
+    b = b * wb;
+  }
+  if constexpr (kRound) {
+    round_through<TX>(a, b);
+  }
+  return {a, b};
+}
+
 // ---------------------------------------------------------------------------
 // Activations in float32 (fast_gelu.cpp, glu.cpp).
 // ---------------------------------------------------------------------------

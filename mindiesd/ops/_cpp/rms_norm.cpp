@@ -16,14 +16,7 @@ void rms_norm_kernel(const Tensor& x, const Tensor& weight, Tensor& out, float e
     const TX* next_xr = xr + walk.next[0];
     for_each_block(0, walk.width, walk.stream, [&](const auto& block) {
       prefetch_bytes(next_xr + block.j, kBlock * sizeof(TX));
-      auto [a, b] = block.load(xr);
-      a = a * inv_rms;
-      b = b * inv_rms;
-      if constexpr (kWeighted) {
-        const auto [wa, wb] = block.load(wr);
-        a = a * wa;
-        b = b * wb;
-      }
+      const auto [a, b] = normed_block<TX, TW, kWeighted, false>(block, xr, wr, inv_rms);
       block.store(outr, a, b);
     });
   };

@@ -65,15 +65,38 @@ inline std::pair<fVec, fVec> pair_table(const BlockT& block, const float* table)
   }
 }
 
+// Stores the interleaved rotation of a block's values (a, b): out = v * cos + rotate_pairs(v) * sin.
+template <bool kPerPair, typename BlockT, typename TO>
+inline void store_interleaved(
+    const BlockT& block, TO* outr, const fVec& a, const fVec& b, const float* cr, const float* sr) {
+  const auto [c0, c1] = pair_table<kPerPair>(block, cr);
+  const auto [s0, s1] = pair_table<kPerPair>(block, sr);
+  block.store(outr, at::vec::fmadd(rotate_pairs(a), s0, a * c0), at::vec::fmadd(rotate_pairs(b), s1, b * c1));
+}
+
+// Stores the half rotation of a block's pairs: x1 at j, x2 at j + half (as two vectors each); the tables' values
+// of the second half start ``second_table`` values in (0 for per-pair tables).
+template <typename BlockT, typename TO>
+inline void store_half(const BlockT& block, TO* outr, int64_t half, int64_t second_table,
+                       const std::pair<fVec, fVec>& x1, const std::pair<fVec, fVec>& x2, const float* cr,
+                       const float* sr) {
+  const auto [x1a, x1b] = x1;
+  const auto [x2a, x2b] = x2;
+  const auto [c1a, c1b] = block.load(cr);
+  const auto [s1a, s1b] = block.load(sr);
+  const auto [c2a, c2b] = block.load(cr + second_table);
+  const auto [s2a, s2b] = block.load(sr + second_table);
+  block.store(outr, at::vec::fmsub(x1a, c1a, x2a * s1a), at::vec::fmsub(x1b, c1b, x2b * s1b));
+  block.store(outr + half, at::vec::fmadd(x2a, c2a, x1a * s2a), at::vec::fmadd(x2b, c2b, x1b * s2b));
+}
+
 // Interleaved pairs (x[2i], x[2i+1]). Per-pair tables hold D/2 values.
 template <typename TX, typename TO, bool kPerPair>
 void rope_interleaved_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, Tensor& out) {
   auto body = [&](const RowWalk& walk, TO* outr, const TX* xr, const float* cr, const float* sr, float*) {
     for_each_block(0, walk.width, walk.stream, [&](const auto& block) {
       const auto [a, b] = block.load(xr);
-      const auto [c0, c1] = pair_table<kPerPair>(block, cr);
-      const auto [s0, s1] = pair_table<kPerPair>(block, sr);
-      block.store(outr, at::vec::fmadd(rotate_pairs(a), s0, a * c0), at::vec::fmadd(rotate_pairs(b), s1, b * c1));
+      store_interleaved<kPerPair>(block, outr, a, b, cr, sr);
     });
   };
   for_each_row<TO, TX, float, float>(out, {&x, &cos, &sin}, body);
@@ -86,14 +109,7 @@ void rope_half_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, Ten
   const int64_t second_table = kPerPair ? 0 : half;
   auto body = [&](const RowWalk& walk, TO* outr, const TX* xr, const float* cr, const float* sr, float*) {
     for_each_block(0, half, walk.stream, [&](const auto& block) {
-      const auto [x1a, x1b] = block.load(xr);
-      const auto [x2a, x2b] = block.load(xr + half);
-      const auto [c1a, c1b] = block.load(cr);
-      const auto [s1a, s1b] = block.load(sr);
-      const auto [c2a, c2b] = block.load(cr + second_table);
-      const auto [s2a, s2b] = block.load(sr + second_table);
-      block.store(outr, at::vec::fmsub(x1a, c1a, x2a * s1a), at::vec::fmsub(x1b, c1b, x2b * s1b));
-      block.store(outr + half, at::vec::fmadd(x2a, c2a, x1a * s2a), at::vec::fmadd(x2b, c2b, x1b * s2b));
+      store_half(block, outr, half, second_table, block.load(xr), block.load(xr + half), cr, sr);
     });
   };
   for_each_row<TO, TX, float, float>(out, {&x, &cos, &sin}, body);
@@ -102,37 +118,45 @@ void rope_half_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, Ten
 // A rotation table the kernels read: a row table of a covered float dtype, or float64 (Lumina2's complex128
 // freqs_cis seen as real pairs) read as float32 when the output is float32 or 16-bit (a float64 output is left to
 // the composition): the tables' rounding moves the result by about one float32 step of its largest value.
-inline bool covers_rope_table(const Tensor& t, const Tensor& x) {
-  return on_cpu(t) && (is_covered_float(t.scalar_type()) || t.scalar_type() == ScalarType::Double) &&
-         broadcasts_into_rows(t, x.sizes());
+inline bool covers_rope_table(const Tensor& t, at::IntArrayRef sizes) {
+  return t.dim() >= 1 && on_cpu(t) && (is_covered_float(t.scalar_type()) || t.scalar_type() == ScalarType::Double) &&
+         broadcasts_into_rows(t, sizes);
 }
 
-
-// Rounds two float32 vectors to the 16-bit type T and back, as a tensor of T would hold them (float: as is).
-template <typename T>
-inline void round_through(fVec& a, fVec& b) {
-  if constexpr (!std::is_same_v<T, float>) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(from_float<T>(a, b));
+// Whether cos and sin are tables the kernels read for rotated rows of ``width`` values in a tensor of ``sizes``
+// (``width``, ``width`` / 2 or 1 values each); ``per_pair``: both hold one value per pair (or one value).
+inline bool covers_rope_tables(
+    const Tensor& cos, const Tensor& sin, at::IntArrayRef sizes, int64_t width, bool& per_pair) {
+  per_pair = width > 0;
+  for (const Tensor* t : {&cos, &sin}) {
+    if (!covers_rope_table(*t, sizes)) {
+      return false;
+    }
+    const int64_t last = t->size(-1);
+    if (last != width && last != width / 2 && last != 1) {
+      return false;
+    }
+    if (last == width && last != 1) {
+      per_pair = false;
+    }
   }
+  return true;
 }
 
-// A block of a row normalised: x * inv_rms (* weight), rounded to x's type as rms_norm's output in that type
-// would be when ``kRound`` (else kept in float32, an output of dtype float32).
-template <typename TX, bool kWeighted, bool kRound, typename BlockT>
-inline std::pair<fVec, fVec> normed_block(const BlockT& block, const TX* xr, const float* wr, const fVec& inv_rms) {
-  auto [a, b] = block.load(xr);
-  a = a * inv_rms;
-  b = b * inv_rms;
-  if constexpr (kWeighted) {
-    const auto [wa, wb] = block.load(wr);
-    a = a * wa;
-    b = b * wb;
+// A table of one value per pair widened to one value per element, where the other table is full width (tables
+// stay compact unless one of them is not).
+inline Tensor widened_table(const Tensor& t, int64_t width, bool per_pair, bool interleaved) {
+  if (per_pair || t.size(-1) != width / 2 || width <= 1) {
+    return t;
   }
-  if constexpr (kRound) {
-    round_through<TX>(a, b);
+  if (interleaved) {
+    return t.to(ScalarType::Float).repeat_interleave(2, -1);
   }
-  return {a, b};
+  std::vector<int64_t> twice(t.dim(), 1);  // (t, t) along the last dim
+  twice.back() = 2;
+  return t.repeat(twice);
 }
+
 
 // The rows of one stream: RMSNorm of each row of x, then the rotation of each of its heads of ``head_dim``
 // values (one head: the whole row), into the rows of ``out`` (the stream's slice of the concatenation).  The
@@ -152,22 +176,14 @@ void norm_rope_kernel(
                   const fVec& inv_rms) {
     if constexpr (kInterleaved) {
       for_each_block(0, width, walk.stream, [&](const auto& block) {
-        const auto [a, b] = normed_block<T, kWeighted, kRound>(block, xr, wr, inv_rms);
-        const auto [c0, c1] = pair_table<kPerPair>(block, cr);
-        const auto [s0, s1] = pair_table<kPerPair>(block, sr);
-        block.store(outr, at::vec::fmadd(rotate_pairs(a), s0, a * c0), at::vec::fmadd(rotate_pairs(b), s1, b * c1));
+        const auto [a, b] = normed_block<T, float, kWeighted, kRound>(block, xr, wr, inv_rms);
+        store_interleaved<kPerPair>(block, outr, a, b, cr, sr);
       });
     } else {
       const float* wr2 = kWeighted ? wr + half : wr;
       for_each_block(0, half, walk.stream, [&](const auto& block) {
-        const auto [x1a, x1b] = normed_block<T, kWeighted, kRound>(block, xr, wr, inv_rms);
-        const auto [x2a, x2b] = normed_block<T, kWeighted, kRound>(block, xr + half, wr2, inv_rms);
-        const auto [c1a, c1b] = block.load(cr);
-        const auto [s1a, s1b] = block.load(sr);
-        const auto [c2a, c2b] = block.load(cr + second_table);
-        const auto [s2a, s2b] = block.load(sr + second_table);
-        block.store(outr, at::vec::fmsub(x1a, c1a, x2a * s1a), at::vec::fmsub(x1b, c1b, x2b * s1b));
-        block.store(outr + half, at::vec::fmadd(x2a, c2a, x1a * s2a), at::vec::fmadd(x2b, c2b, x1b * s2b));
+        store_half(block, outr, half, second_table, normed_block<T, float, kWeighted, kRound>(block, xr, wr, inv_rms),
+                   normed_block<T, float, kWeighted, kRound>(block, xr + half, wr2, inv_rms), cr, sr);
       });
     }
   };
@@ -211,35 +227,15 @@ std::optional<Tensor> rope(
   if (width % 2 != 0) {
     return std::nullopt;
   }
-  // Tables of one value per pair stay compact unless the other table is full width.
-  bool per_pair = width > 0;
-  for (const Tensor* t : {&cos_in, &sin_in}) {
-    if (t->dim() < 1 || !covers_rope_table(*t, x_in)) {
-      return std::nullopt;
-    }
-    const int64_t last = t->size(-1);
-    if (last != width && last != width / 2 && last != 1) {
-      return std::nullopt;
-    }
-    if (last == width && last != 1) {
-      per_pair = false;
-    }
+  bool per_pair = false;
+  if (!covers_rope_tables(cos_in, sin_in, x_in.sizes(), width, per_pair)) {
+    return std::nullopt;
   }
   return row_op(x_in, out_dtype, [&](const Tensor& x, Tensor& out) {
     const int64_t table_width = per_pair ? width / 2 : width;
-    // A D/2 table next to a full-width one is widened to full width.
     auto prepare = [&](const Tensor& t) {
-      Tensor table = t;
-      if (!per_pair && t.size(-1) == width / 2 && width > 1) {
-        if (interleaved) {
-          table = t.to(ScalarType::Float).repeat_interleave(2, -1);
-        } else {
-          std::vector<int64_t> twice(t.dim(), 1);  // (t, t) along the last dim
-          twice.back() = 2;
-          table = t.repeat(twice);
-        }
-      }
-      return as_row_operand(table, x.sizes(), table_width, ScalarType::Float);
+      return as_row_operand(widened_table(t, width, per_pair, interleaved), x.sizes(), table_width,
+                            ScalarType::Float);
     };
     const Tensor cos = prepare(cos_in);
     const Tensor sin = prepare(sin_in);
@@ -305,20 +301,9 @@ std::optional<Tensor> norm_rope(
     rotated.back() = heads;
     rotated.push_back(head_dim);
   }
-  bool per_pair = true;
-  for (const Tensor* t : {&cos_in, &sin_in}) {
-    if (t->dim() < 1 || !on_cpu(*t) ||
-        !(is_covered_float(t->scalar_type()) || t->scalar_type() == ScalarType::Double) ||
-        !broadcasts_into_rows(*t, rotated)) {
-      return std::nullopt;
-    }
-    const int64_t last = t->size(-1);
-    if (last != head_dim && last != head_dim / 2 && last != 1) {
-      return std::nullopt;
-    }
-    if (last == head_dim && last != 1) {
-      per_pair = false;
-    }
+  bool per_pair = false;
+  if (!covers_rope_tables(cos_in, sin_in, rotated, head_dim, per_pair)) {
+    return std::nullopt;
   }
   if (out.numel() == 0) {
     return out;
@@ -326,16 +311,7 @@ std::optional<Tensor> norm_rope(
   const int64_t table_width = per_pair ? head_dim / 2 : head_dim;
   int64_t head_step = 0;
   auto prepare = [&](const Tensor& t) {
-    Tensor table = t;
-    if (!per_pair && t.size(-1) == head_dim / 2) {
-      if (interleaved) {
-        table = t.to(ScalarType::Float).repeat_interleave(2, -1);
-      } else {
-        std::vector<int64_t> twice(t.dim(), 1);
-        twice.back() = 2;
-        table = t.repeat(twice);
-      }
-    }
+    Tensor table = widened_table(t, head_dim, per_pair, interleaved);
     table = as_row_operand(table, rotated, table_width, ScalarType::Float);
     if (heads > 1) {  // the first head's values, and the step to the next head's
       head_step = table.size(-2) == 1 ? 0 : table.stride(-2);
