@@ -82,7 +82,8 @@ def test_a_second_process_loads_the_artifact_without_tracing(name, tmp_path):
         assert run["error"] <= 1e-5
     torch.testing.assert_close(torch.load(tmp_path / "second.pt"), torch.load(tmp_path / "first.pt"), rtol=0, atol=0)
     assert len(graph_cache.artifact_files(str(tmp_path / "cache"))) == 1
-    assert second["first_call_s"] < first["first_call_s"] / 3
+    # how much faster the warm start is, is measured by `bench model ... --aot --cache-dir DIR` (docs/cache.md), not
+    # here: a wall-clock ratio in a test fails on a loaded machine
 
 
 @pytest.mark.slow
