@@ -189,6 +189,8 @@ void norm_rope_kernel(
   };
   auto body = [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr) {
     const fVec inv_rms(1.0f / std::sqrt(sum_of_squares(xr, row_width) * inv_width + eps));
+    // The row is read again from L1 below; meanwhile the next row is fetched (as rms_norm does).
+    prefetch_bytes(xr + walk.next[0], row_width * static_cast<int64_t>(sizeof(T)));
     for (int64_t h = 0; h < heads; ++h) {
       head(walk, outr + h * head_dim, xr + h * head_dim, kWeighted ? wr + h * head_dim : wr,
            cr + h * table_head_step, sr + h * table_head_step, inv_rms);
