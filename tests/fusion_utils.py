@@ -10,7 +10,8 @@ import torch
 from mindiesd.compilation import families
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
 
-#: The specification's five families (the GEMM rewrites are off on CPU by default and tested in test_gemm.py).
+#: The elementwise families: the specification's five, norm_rope and glu (the GEMM rewrites are off on CPU by
+#: default and tested in test_gemm.py).
 FAMILIES = tuple(families.SPEC_FAMILIES)
 
 #: (rtol, atol) per dtype: eager rounds after every op in bf16/fp16, the fused ops round once.

@@ -47,8 +47,8 @@ class FusionFamily:
     #: The op the pass emits; None for a rewrite that emits aten ops only.
     op: Optional[registry.OpDef]
     stage: str = "fusion"
-    #: ``elementwise`` (the ops that replace elementwise and row sequences: the specification's five families and
-    #: glu) or ``gemm`` (rewrites around the matrix products).
+    #: ``elementwise`` (the ops that replace elementwise and row sequences: the specification's five families,
+    #: norm_rope and glu) or ``gemm`` (rewrites around the matrix products).
     group: str = "elementwise"
     #: For a family without an op: device type -> whether the rewrite gains there.
     rewrites: Mapping[str, Rewrite] = field(default_factory=dict)
@@ -166,7 +166,7 @@ FAMILIES: Dict[str, FusionFamily] = {
 }
 
 
-#: The elementwise families (the specification's ``fusion_patterns.enable_*`` and glu), in run order.
+#: The elementwise families (the specification's ``fusion_patterns.enable_*``, norm_rope and glu), in run order.
 SPEC_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "elementwise")
 #: The rewrites around matrix products, in run order.
 GEMM_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "gemm")

@@ -14,9 +14,9 @@ It runs after the rms_norm and rope passes and rewrites their ops:
   the heads follows it.
 
 Fused when every norm is read by the concatenation (or the rope, or the view) alone, normalises the last dimension
-with a weight of that width or none and one eps shared by all streams, and gives its input's dtype or float32 (Qwen-Image and
-Lumina2 upcast before their complex rotation: the op then keeps the normalised values in float32, as the norm
-did), and the concatenation is not along the last dimension.
+with a weight of that width or none and one eps shared by all streams, and gives its input's dtype or float32
+(Qwen-Image and Lumina2 upcast before their complex rotation: the op then keeps the normalised values in float32,
+as the norm did), and the concatenation is not along the last dimension.
 """
 
 from __future__ import annotations
