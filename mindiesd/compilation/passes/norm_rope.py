@@ -101,6 +101,8 @@ def _streams(m, root):
             return "the view between norm and rotation does more than split the last dim into heads"
         between.append(joined)
         joined, view_after = joined.args[0], True
+    if not isinstance(head_dim, int):
+        return "the rotated heads' width is symbolic"
     if "xs" not in m.bindings:
         return [m["norm"]], 0, head_dim, between, view_after
     xs, dim = m["xs"], m["dim"]
