@@ -6,14 +6,19 @@ layout adapter, its input checks and the resolution of its output dtype before t
 whose shapes are static (Dynamo guards them) all of that is known when the graph is compiled. The function made
 here is the same program with that work done once:
 
-* aten ops are called through their C++ handles (``OpOverload._op``, what ``OpOverload.__call__`` calls);
+* aten ops are called through their Python bindings (``torch.addmm``, ``Tensor.view``, ...: the overloads of
+  :data:`BOUND_OVERLOADS`, each checked to reach that very overload), which parse their arguments directly, else
+  through their C++ handles (``OpOverload._op``, what ``OpOverload.__call__`` calls, a boxed call that costs
+  about twice as much);
 * a fused op whose kernel on the graph's device is the C++ CPU kernel of :mod:`mindiesd.ops.kernels.cpp` and
-  whose shapes are static calls the C++ entry point directly, with its output dtype resolved from the traced
-  output. A row-major output is the kernel's result as it is; for an output in another memory order the
-  runner does what the layout adapter would (the input and the arguments that broadcast against it permuted
-  into that order, the result permuted back); where the adapter would copy, the op keeps it. Where the entry
-  point declines a form (it returns None) or raises, where the process has no C++ kernels, or while a profiler
-  is recording (so that it sees every ``mindiesd::`` op), the op runs through the dispatcher as before;
+  whose shapes are static calls the C++ entry point directly, inline in the generated code, with its output
+  dtype resolved from the traced output. A row-major output is the kernel's result as it is; for an output in
+  another memory order the runner does what the layout adapter would (the input and the arguments that
+  broadcast against it permuted into that order, the result permuted back); where the adapter would copy, the
+  op keeps it. Where the entry point declines a form (it returns None) or raises, or where the process has no
+  C++ kernels, the op runs through the dispatcher as before;
+* while a profiler is recording, the graph's own forward runs instead (so that the profile sees every
+  ``mindiesd::`` op through the dispatcher): one check per call, not one per op;
 * every other node runs as the ``GraphModule``'s forward runs it; a value is released after its last use, as
   FX's generated code does.
 
@@ -31,6 +36,7 @@ import logging
 import marshal
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -96,14 +102,25 @@ def traced_facts(gm: GraphModule) -> Dict[str, Fact]:
     return facts
 
 
-def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
-    """A function that runs the fused op of ``node`` straight on its C++ CPU kernel (``fact``: its output dtype
-    and memory order, from :func:`traced_facts`), or None where this process runs the op otherwise (see the
-    module doc)."""
+@dataclass(frozen=True)
+class _Direct:
+    """How the runner calls a fused op's C++ entry point: the entry's name, where each of its arguments comes from
+    (``("arg", i)``, ``("kwarg", name)`` or ``("const", value)``), the output dtype it takes resolved (None where it
+    takes none), and the output's memory order where it is not row-major."""
+
+    name: str
+    picks: Tuple[Tuple[str, Any], ...]
+    out_dtype: Optional[torch.dtype]
+    order: Optional[Tuple[int, ...]]
+
+
+def _direct_plan(node: Node, fact: Fact) -> Optional[_Direct]:
+    """The straight call of the fused op of ``node`` on its C++ CPU kernel (``fact``: its output dtype and memory
+    order, from :func:`traced_facts`), or None where this process runs the op otherwise (see the module doc)."""
     target = node.target
     out_dtype, order = fact
-    from mindiesd.ops import _layout, registry
-    from mindiesd.ops.kernels import cpp, cpp_build
+    from mindiesd.ops import registry
+    from mindiesd.ops.kernels import cpp
 
     name = target._opname
     kernel = cpp.KERNELS.get(name)
@@ -112,16 +129,12 @@ def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
     parameters = list(inspect.signature(kernel).parameters)
     takes_dtype = parameters[-1:] == ["out_dtype"]
     positional = parameters[:-1] if takes_dtype else parameters
-    try:
-        bound = target._schema  # the kernel takes the schema's leading arguments, in order
-        schema_names = [a.name for a in bound.arguments]
-    except Exception:  # pragma: no cover - every registered op has a schema
+    arguments = target._schema.arguments  # the kernel takes the schema's leading arguments, in order
+    if [a.name for a in arguments][:len(positional)] != positional:
         return None
-    if schema_names[:len(positional)] != positional:
-        return None
-    defaults = {a.name: a.default_value for a in bound.arguments if a.has_default_value()}
-    picks: List[Any] = []
-    for index, parameter in enumerate(positional):  # where each kernel argument comes from
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    picks: List[Tuple[str, Any]] = []
+    for index, parameter in enumerate(positional):
         if index < len(node.args):
             picks.append(("arg", index))
         elif parameter in node.kwargs:
@@ -130,71 +143,108 @@ def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
             picks.append(("const", defaults[parameter]))
         else:
             return None
-    overload = target
+    if order is not None and not all(kind == "arg" for kind, _ in picks):
+        return None
+    return _Direct(name, tuple(picks), out_dtype if takes_dtype else None, order)
 
-    count = len(positional)
-    entry: Any = None  # the C++ entry point, looked up on the first call: never while a graph is being traced
 
-    def resolve() -> Any:
-        nonlocal entry
-        module = cpp_build._extension if cpp_build._resolved else cpp_build.extension()
-        entry = getattr(module, name, None) if module is not None else None
-        entry = entry or False  # False: no C++ kernel in this process, the op runs through the dispatcher
-        return entry
+def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
+    """A function that runs the fused op of ``node`` straight on its C++ CPU kernel and permutes as the layout
+    adapter would (for an output that is not row-major; the runner inlines the row-major call), or None where
+    this process runs the op otherwise."""
+    plan = _direct_plan(node, fact)
+    if plan is None:
+        return None
+    from mindiesd.ops import _layout
 
-    def run(fn: Any, values: List[Any]) -> Any:
-        if takes_dtype:
-            values.append(out_dtype)
-        try:
-            return fn(*values)
-        except Exception:  # noqa: BLE001  (the op's own path runs it, or raises its own error)
-            return None
+    overload, name, order = node.target, plan.name, plan.order
+    count = len(plan.picks)
+    entry = _LazyEntry(name)
+    rank = len(order) if order is not None else 0
+    inverse = [0] * rank
+    for position, dim in enumerate(order or ()):
+        inverse[dim] = position
+    # as the adapter does: x (a row op's) and the arguments that broadcast against it move with the order
+    moved = set(_layout._TABLE_ARGS[name]) | ({0} if name in _layout.ROW_OPS else set())
+    moved_args = tuple(sorted(i for i in moved if i < count))
+    tail = (plan.out_dtype,) if plan.out_dtype is not None else ()
 
-    if order is not None:  # the adapter's permutation, done here: the kernel's row-major result, permuted back
-        if not all(kind == "arg" for kind, _ in picks):
-            return None
-        rank = len(order)
-        inverse = [0] * rank
-        for position, dim in enumerate(order):
-            inverse[dim] = position
-        # as the adapter does: x (a row op's) and the arguments that broadcast against it move with the order
-        moved = set(_layout._TABLE_ARGS[name]) | ({0} if name in _layout.ROW_OPS else set())
-        moved_args = tuple(sorted(i for i in moved if i < count))
-
-        def call(*args: Any, **kw: Any) -> Any:
-            fn = entry if entry is not None else resolve()
-            if fn and not _profiling():
-                values = list(args[:count])
-                for i in moved_args:
-                    value = values[i]
-                    if isinstance(value, torch.Tensor):
-                        if value.dim() < rank:
-                            value = value[(None,) * (rank - value.dim())]
-                        values[i] = value.permute(order)
-                result = run(fn, values)
-                if result is not None:
-                    return result.permute(inverse)
-            return overload(*args, **kw)
-    elif all(kind == "arg" for kind, _ in picks):  # the leading arguments, as the graph passes them
-        def call(*args: Any, **kw: Any) -> Any:
-            fn = entry if entry is not None else resolve()
-            if fn and not _profiling():
-                result = run(fn, list(args[:count]))
-                if result is not None:
-                    return result
-            return overload(*args, **kw)
-    else:
-        def call(*args: Any, **kw: Any) -> Any:
-            fn = entry if entry is not None else resolve()
-            if fn and not _profiling():
-                result = run(fn, [args[where] if kind == "arg" else kw[where] if kind == "kwarg" else where
-                                  for kind, where in picks])
-                if result is not None:
-                    return result
-            return overload(*args, **kw)
+    def call(*args: Any, **kw: Any) -> Any:
+        if not _profiling():
+            values = list(args[:count])
+            for i in moved_args:
+                value = values[i]
+                if isinstance(value, torch.Tensor):
+                    if value.dim() < rank:
+                        value = value[(None,) * (rank - value.dim())]
+                    values[i] = value.permute(order)
+            try:
+                result = entry(*values, *tail)
+            except Exception:  # noqa: BLE001  (the op's own path runs it, or raises its own error)
+                result = None
+            if result is not None:
+                return result.permute(inverse) if order is not None else result
+        return overload(*args, **kw)
 
     call.__name__ = call.__qualname__ = f"direct_{name}"
     return call
+
+
+class _LazyEntry:
+    """A fused op's C++ entry point, looked up on the first call (never while a graph is being traced, which may
+    not build or load the kernels); where the generated code reads it from its globals, the first call puts the
+    entry point itself there. Without a C++ kernel in this process it returns None: the op's own path runs."""
+
+    __slots__ = ("name", "namespace", "slot", "entry")
+
+    def __init__(self, name: str, namespace: Optional[Dict[str, Any]] = None, slot: str = ""):
+        self.name, self.namespace, self.slot, self.entry = name, namespace, slot, None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.entry is None:
+            from mindiesd.ops.kernels import cpp_build
+
+            module = cpp_build._extension if cpp_build._resolved else cpp_build.extension()
+            self.entry = (getattr(module, self.name, None) if module is not None else None) or _declined
+            if self.namespace is not None:
+                self.namespace[self.slot] = self.entry
+        return self.entry(*args)
+
+
+def _declined(*args: Any) -> None:
+    return None
+
+
+#: The aten overloads the runner calls through their Python bindings (the functions of ``torch``, ``torch._C._nn``
+#: and the methods of tensors), which parse their arguments without the boxed call of ``OpOverload._op`` (a view
+#: costs 0.6 us instead of 1.4). Each binding reaches exactly this overload for the arguments an aten graph passes
+#: (``tests/compile/test_codegen.py`` checks every one under a dispatch mode).
+BOUND_OVERLOADS: Tuple[str, ...] = (
+    "view.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims", "t.default", "permute.default",
+    "expand.default", "transpose.int", "select.int", "split.Tensor", "split_with_sizes.default", "unbind.int",
+    "as_strided.default", "addmm.default", "mm.default", "bmm.default", "baddbmm.default", "cat.default",
+    "stack.default", "clone.default", "mul.Tensor", "add.Tensor", "sub.Tensor", "div.Tensor", "silu.default",
+    "gelu.default", "sin.default", "cos.default", "exp.default", "neg.default", "rsqrt.default", "sigmoid.default",
+    "tanh.default", "relu.default", "pow.Tensor_Scalar", "mean.dim", "sum.dim_IntList", "amax.default",
+    "_softmax.default", "native_layer_norm.default", "addcmul.default", "where.self", "index_select.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default", "view_as_real.default", "view_as_complex.default",
+)
+
+
+def binding(overload: Any) -> Optional[Callable[..., Any]]:
+    """The Python binding the runner calls for the aten ``overload`` (see :data:`BOUND_OVERLOADS`), or None."""
+    if not isinstance(overload, torch._ops.OpOverload) or overload.namespace != "aten" \
+            or f"{overload._opname}.{overload._overloadname}" not in _BOUND:
+        return None
+    name = overload._opname
+    for namespace in (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase):
+        found = getattr(namespace, name, None)
+        if found is not None:
+            return found
+    return None
+
+
+_BOUND = frozenset(BOUND_OVERLOADS)
 
 
 class _Source:
@@ -204,7 +254,8 @@ class _Source:
         self.gm, self.facts = gm, facts
         self.globals: Dict[str, Any] = {"_gm": gm}
         self.names: Dict[Node, str] = {}
-        self._bound: Dict[int, str] = {}
+        self._bound: Dict[Any, str] = {}
+        self.entries: Dict[str, str] = {}  # global -> the C++ entry point it stands for
         self.direct = 0
 
     def bind(self, value: Any, prefix: str) -> str:
@@ -232,21 +283,46 @@ class _Source:
             return "{" + ", ".join(f"{k!r}: {self.expr(v)}" for k, v in value.items()) + "}"
         return self.bind(value, "c")
 
-    def call(self, node: Node) -> str:
+    def entry(self, name: str) -> str:
+        """The global through which the generated code calls the C++ entry point ``name`` (see :class:`_LazyEntry`)."""
+        slot = self._bound.get(("entry", name))
+        if slot is None:
+            slot = f"_k{len(self.globals)}"
+            self.globals[slot] = None  # a _LazyEntry of the namespace the code runs in
+            self._bound[("entry", name)] = slot
+            self.entries[slot] = name
+        return slot
+
+    def statements(self, node: Node, out: str) -> List[str]:
+        """The lines that compute ``node`` into ``out``."""
         target = node.target
         args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
         if target is operator.getitem and len(node.args) == 2 and not node.kwargs:
-            return f"{args[0]}[{args[1]}]"
+            return [f"{out} = {args[0]}[{args[1]}]"]
         fact = self.facts.get(node.name)
-        fn = direct_kernel(node, fact) if fact is not None else None
-        if fn is not None:
+        plan = _direct_plan(node, fact) if fact is not None else None
+        if plan is not None:
             self.direct += 1
-            name = self.bind(fn, "d")
-        elif type(target) is torch._ops.OpOverload:
-            name = self.bind(target._op, "op")
+            if plan.order is not None:  # the adapter's permutations around the call: a function of its own
+                return [f"{out} = {self.bind(direct_kernel(node, fact), 'd')}({', '.join(args)})"]
+            values = [args[where] if kind == "arg" else self.expr(node.kwargs[where]) if kind == "kwarg"
+                      else self.expr(where) for kind, where in plan.picks]
+            if plan.out_dtype is not None:
+                values.append(self.expr(plan.out_dtype))
+            return [  # a declined form (None) or a failure runs the op's own path, which raises its own error
+                "try:",
+                f"    {out} = {self.entry(plan.name)}({', '.join(values)})",
+                "except Exception:",
+                f"    {out} = None",
+                f"if {out} is None:",
+                f"    {out} = {self.bind(target._op, 'op')}({', '.join(args)})",
+            ]
+        if type(target) is torch._ops.OpOverload:
+            bound = binding(target)
+            name = self.bind(bound, "b") if bound is not None else self.bind(target._op, "op")
         else:
             name = self.bind(target, "f")
-        return f"{name}({', '.join(args)})"
+        return [f"{out} = {name}({', '.join(args)})"]
 
 
 def runner(gm: GraphModule, facts: Optional[Mapping[str, Fact]] = None,
@@ -309,7 +385,7 @@ def _generate(gm: GraphModule, facts: Mapping[str, Fact], stored: Optional[Compi
         if node.op == "get_attr":
             body.append(f"{name} = {source.bind(_Attribute(node.target), 'a')}(_gm)")
         elif node.op == "call_function":
-            body.append(f"{name} = {source.call(node)}")
+            body.extend(source.statements(node, name))
         else:
             return gm.forward  # call_module / call_method: not in aten graphs
         dead = [source.names[v] for v in released.get(node, ())]
@@ -317,8 +393,12 @@ def _generate(gm: GraphModule, facts: Mapping[str, Fact], stored: Optional[Compi
             dead.append(name)
         if dead:
             body.append(" = ".join(dead) + " = None")
+    # while a profiler records, the graph's own forward runs, so that it sees every op through the dispatcher
+    body.insert(0, f"if _profiling(): return _gm.forward({', '.join(params)})")
     code = "def forward(" + ", ".join(params) + "):\n" + "".join(f"    {line}\n" for line in body)
-    namespace = dict(source.globals)
+    namespace = dict(source.globals, _profiling=_profiling)
+    for slot, entry_name in source.entries.items():
+        namespace[slot] = _LazyEntry(entry_name, namespace, slot)
     digest = hashlib.sha256(code.encode()).hexdigest()
     module_code = _module_code(code, digest, stored, f"<mindiesd runner {id(gm):x}>")
     exec(module_code, namespace)  # noqa: S102  (generated here, or stored from the same text)

@@ -243,3 +243,68 @@ def test_forms_the_cpp_kernel_declines_run_through_the_dispatcher(monkeypatch):
     assert sorted(calls) == sorted(EXPECTED)
     torch.testing.assert_close(again, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def _binding_examples():
+    """Arguments an aten graph passes to each overload of ``codegen.BOUND_OVERLOADS``, one call or more each."""
+    x, y = _randn(2, 3, 4, seed=1), _randn(2, 3, 4, seed=2)
+    m, n, b = _randn(3, 4, seed=3), _randn(4, 5, seed=4), _randn(5, seed=5)
+    q, k, v = (_randn(1, 2, 6, 8, seed=s) for s in (6, 7, 8))
+    c = _randn(2, 3, 4, 2, seed=9)
+    return {
+        "view.default": [(x, [6, 4])], "unsqueeze.default": [(x, 1)], "squeeze.dim": [(x[:, :1], 1)],
+        "squeeze.dims": [(x[:1, :1], [0, 1])], "t.default": [(m,)], "permute.default": [(x, [2, 0, 1])],
+        "expand.default": [(x[:, :1], [2, 3, 4])], "transpose.int": [(x, 0, 2)], "select.int": [(x, 1, 2)],
+        "split.Tensor": [(x, 2, -1)], "split_with_sizes.default": [(x, [1, 3], -1)], "unbind.int": [(x, 1)],
+        "as_strided.default": [(x, [3, 4], [4, 1], 2)], "addmm.default": [(b, m, n)], "mm.default": [(m, n)],
+        "bmm.default": [(x, x.transpose(1, 2))], "baddbmm.default": [(x[:, :, :3], x, x.transpose(1, 2))],
+        "cat.default": [([x, y], -1), ([x, y],)], "stack.default": [([x, y], 1)],
+        "clone.default": [(x.transpose(0, 1), {"memory_format": torch.contiguous_format}), (x,)],
+        "mul.Tensor": [(x, y), (x, 2.5), (x, 1000)], "add.Tensor": [(x, y), (x, 1), (x, y, {"alpha": 2})],
+        "sub.Tensor": [(x, y), (x, 1.5)], "div.Tensor": [(x, y), (x, 3)], "silu.default": [(x,)],
+        "gelu.default": [(x,), (x, {"approximate": "tanh"})], "sin.default": [(x,)], "cos.default": [(x,)],
+        "exp.default": [(x,)], "neg.default": [(x,)], "rsqrt.default": [(x.abs(),)], "sigmoid.default": [(x,)],
+        "tanh.default": [(x,)], "relu.default": [(x,)], "pow.Tensor_Scalar": [(x, 2), (x, 0.5)],
+        "mean.dim": [(x, [-1], True), (x, [1])], "sum.dim_IntList": [(x, [-1], True)], "amax.default": [(x, [-1], True)],
+        "_softmax.default": [(x, -1, False)], "native_layer_norm.default": [(x, [4], None, None, 1e-6), (x, [4], b[:4], b[1:], 1e-5)],
+        "addcmul.default": [(x, y, x), (x, y, x, {"value": 2})], "where.self": [(x > 0, x, y)],
+        "index_select.default": [(x, 1, torch.tensor([0, 2]))],
+        "_scaled_dot_product_flash_attention_for_cpu.default": [(q, k, v), (q, k, v, 0.0, False, {"scale": 0.5})],
+        "view_as_real.default": [(torch.view_as_complex(c),)], "view_as_complex.default": [(c,)],
+    }
+
+
+def test_every_bound_overload_reaches_that_overload_with_its_result():
+    """The runner calls these aten overloads through their Python bindings: each must dispatch to the very overload
+    of the graph (not a sibling, not a decomposition) and give what ``OpOverload`` gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FirstOp(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    examples = _binding_examples()
+    assert sorted(examples) == sorted(codegen.BOUND_OVERLOADS)
+    for name, calls in examples.items():
+        packet, overload_name = name.rsplit(".", 1)
+        overload = getattr(getattr(torch.ops.aten, packet), overload_name)
+        bound = codegen.binding(overload)
+        assert bound is not None, name
+        for call in calls:
+            kwargs = call[-1] if isinstance(call[-1], dict) else {}
+            args = call[:-1] if kwargs else call
+            with FirstOp() as mode:
+                got = bound(*args, **kwargs)
+            assert mode.ops[:1] == [overload], (name, mode.ops[:3])
+            want = overload(*args, **kwargs)
+            for a, b in zip(*(r if isinstance(r, (tuple, list)) else (r,) for r in (got, want))):
+                if isinstance(b, torch.Tensor):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+                    assert a.stride() == b.stride(), name
+    assert codegen.binding(torch.ops.aten.slice.Tensor) is None  # no binding: the boxed call
+    assert codegen.binding(torch.ops.mindiesd.rms_norm.default) is None
