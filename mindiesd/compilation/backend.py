@@ -38,6 +38,7 @@ from .freezing import FrozenGraph, constant_inputs, split_constants
 from .fx_utils import drop_copies
 from .graph_log import GraphLog, resolve_log_dir
 from .pass_manager import PassManager
+from .tidy import tidy
 from .report import CompileReport, GraphRecord, fusion_report
 
 log = logging.getLogger("mindiesd.compilation")
@@ -276,6 +277,8 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
     dropped = drop_copies(target.graph)
     if dropped:
         log.debug("removed %d copies of computed values", dropped)
+    tidied = tidy(target.graph)
+    log.debug("calls removed after fusion: %s", tidied)
     target.graph.eliminate_dead_code()
     target.recompile()
     forward = runner(target)

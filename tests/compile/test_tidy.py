@@ -1,0 +1,96 @@
+"""After fusion, fewer calls for the same values (``compilation/tidy.py``): a pure op computed twice on the same
+arguments runs once, a chain of reshapes is one view; outputs equal eager's, layouts the traced ones."""
+
+import warnings
+from collections import Counter
+
+import torch
+
+from fusion_utils import assert_close, run_compiled
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from mindiesd.compilation import backend as backend_module
+
+aten = torch.ops.aten
+_RESHAPES = (aten.view.default, aten.unsqueeze.default, aten._unsafe_view.default)
+
+
+def _calls(gm):
+    return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _compile_flux(monkeypatch, tidy_on):
+    from mindiesd import zoo
+
+    if not tidy_on:
+        monkeypatch.setattr(backend_module, "tidy", lambda graph: {})
+    case = zoo.build("flux", "host")
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        actual = torch.compile(case.model, backend=backend, fullgraph=True)(**case.inputs)[0]
+        expected = case.model(**case.inputs)[0]
+    torch._dynamo.reset()
+    return actual, expected, backend.graphs[0]
+
+
+def test_flux_takes_silu_of_the_embedding_once_and_reshapes_in_one_view(monkeypatch):
+    actual, expected, gm = _compile_flux(monkeypatch, tidy_on=True)
+    assert_close(actual, expected)
+    _, _, untidy = _compile_flux(monkeypatch, tidy_on=False)
+    calls, before = _calls(gm), _calls(untidy)
+    adaln = 2 * 2 + 4 + 1  # the double blocks' two adaLNs (image, text), the single blocks' one, norm_out
+    # silu(temb) once for all adaLN modulations; the time and text embedders' own two SiLUs stay
+    assert before[aten.silu.default] == adaln + 2 and calls[aten.silu.default] == 3
+    # no reshape reads a reshape: the matmul's [B, S, N] and the heads' [B, S, H, D] are one view
+    chained = [n for n in gm.graph.nodes if n.target in _RESHAPES and getattr(n.args[0], "target", None) in _RESHAPES]
+    assert chained == []
+    assert sum(calls.values()) < sum(before.values()) - 60
+    assert calls[aten.addmm.default] == before[aten.addmm.default]  # nothing that computes went
+
+
+def test_identical_calls_run_once_but_outputs_stay_apart():
+    def fn(x, w):
+        a = torch.sigmoid(x) * w
+        b = torch.sigmoid(x) * w  # the same values: computed once
+        return a + b, torch.cos(x), torch.cos(x)  # two outputs stay two tensors
+
+    x, w = _randn(4, 8, seed=1), _randn(8, seed=2)
+    actual, expected, _, backend = run_compiled(fn, x, w, config=CompilationConfig(cache_dir=None))
+    calls = _calls(backend.graphs[0])
+    assert calls[aten.sigmoid.default] == 1 and calls[aten.mul.Tensor] == 1
+    assert calls[aten.cos.default] == 2
+    assert_close(actual, expected)
+    assert actual[1].data_ptr() != actual[2].data_ptr()
+
+
+def test_random_ops_are_never_merged():
+    def fn(x):
+        return torch.rand_like(x) - torch.rand_like(x)
+
+    x = _randn(64, seed=3)
+    actual, _, _, backend = run_compiled(fn, x, config=CompilationConfig(cache_dir=None))
+    assert _calls(backend.graphs[0])[aten.rand_like.default] == 2
+    assert actual.abs().max() > 0  # two draws, not one draw twice
+
+
+def test_a_chain_of_reshapes_keeps_the_traced_strides():
+    """A transposed tensor reshaped twice: where one view of the base gives other strides, the chain stays."""
+
+    def fn(x):
+        t = x.t()
+        flat = t.unsqueeze(0).view(1, 4, 6)  # not contiguous: unsqueeze then view
+        grouped = (x * 2).view(24).view(4, 3, 2).unsqueeze(0)  # contiguous: one view
+        return flat * 3, grouped + 1
+
+    x = _randn(6, 4, seed=4)
+    actual, expected, _, backend = run_compiled(fn, x, config=CompilationConfig(cache_dir=None))
+    gm = backend.graphs[0]
+    chained = [n for n in gm.graph.nodes if n.target in _RESHAPES and getattr(n.args[0], "target", None) in _RESHAPES]
+    assert chained == []
+    assert_close(actual, expected)
+    for a, e in zip(actual, expected):
+        assert a.stride() == e.stride()
