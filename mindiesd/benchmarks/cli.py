@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import distributed, models, ops, pipeline
+from . import distributed, host, models, ops, pipeline
 
 #: Sub-command -> (module with ``add_arguments`` and ``run``, one-line help, description).
 MODES = {
@@ -26,6 +26,13 @@ MODES = {
         "time the fused operators alone: eager's op sequence vs the kernel vs Inductor vs a copy",
         "Time each fused operator against the eager op sequence its pass replaces, Inductor's compile of that "
         "sequence and a copy (the bandwidth floor), interleaved in one process; one row per op and dtype.",
+    ),
+    "host": (
+        host,
+        "what a forward costs the host: ops per forward and ms at negligible tensor sizes, vs eager and Inductor",
+        "Count the ops one forward executes (GEMM and attention apart, views and allocations not counted) and time "
+        "forwards whose tensors take no time to compute (Flux's host and host-deep sizes; other models at tiny), "
+        "eager against mindiesd and optionally Inductor, interleaved in one process, on one thread by default.",
     ),
     "pipeline": (
         pipeline,

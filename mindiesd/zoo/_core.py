@@ -1,4 +1,4 @@
-"""The core models: Flux, SD3 and Wan, at tiny and mid size (batch 1); Flux also deep."""
+"""The core models: Flux, SD3 and Wan, at tiny and mid size (batch 1); Flux also deep, host and host-deep."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ _FLUX = _sized(
 #: real model slow to trace is its depth, which this keeps at a CPU's cost.
 _FLUX["deep"] = Spec(config={**_FLUX["tiny"].config, "num_layers": 19, "num_single_layers": 38},
                      shapes=dict(grid=(16, 16), text_tokens=32))
+
+#: Flux whose tensors take no time to compute (width 32, 16 image + 8 text tokens): a forward costs what the host
+#: spends on it (Python, dispatch, launches), the share of a forward that an accelerator without device-graph
+#: capture waits on. ``host-deep`` has Flux's real depth.
+_FLUX["host"] = Spec(config={**_FLUX["tiny"].config, "attention_head_dim": 16, "num_attention_heads": 2,
+                             "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)},
+                     shapes=dict(grid=(4, 4), text_tokens=8))
+_FLUX["host-deep"] = Spec(config={**_FLUX["host"].config, "num_layers": 19, "num_single_layers": 38},
+                          shapes=dict(_FLUX["host"].shapes))
 
 _SD3 = _sized(
     Spec(
