@@ -124,7 +124,7 @@ class MindieSDBackend:
         context = GraphContext.build(gm, example_inputs, self.config, self.force_fast, cached=False)
         if context.training:
             raise ValueError("a training graph (inputs that require grad, with grad enabled)")
-        result = aot(gm, example_inputs, context, graph_log, stored=True)
+        result = aot(gm, example_inputs, context, graph_log)
         if result.not_cacheable is not None:
             raise ValueError(result.not_cacheable)
         self._fill_record(record, replace(result, cache="artifact"))
@@ -211,24 +211,29 @@ def load_cached(context: GraphContext, graph_log: GraphLog) -> Optional[Compiled
                          dict(entry.skipped), entry.nodes_after, cache="hit")
 
 
-def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog,
-        stored: bool = False) -> CompiledGraph:
-    """aot's functional aten graph, frozen and fused by :class:`_FreezeAndFuse`; ``run`` is aot's callable.
-    ``stored``: the result is to be stored (an ahead-of-time artifact) even without a cache key, so its
-    :attr:`~CompiledGraph.not_cacheable` is checked."""
+def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog) -> CompiledGraph:
+    """aot's functional aten graph, frozen and fused by :class:`_FreezeAndFuse`. ``run`` is the fused graph itself
+    where aot's runtime wrapper would only call it (an inference graph whose inputs and outputs aot leaves as they
+    are: :attr:`~CompiledGraph.not_cacheable` is None), else aot's callable."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    compiler = _FreezeAndFuse(context, graph_log, stored or context.key is not None)
+    compiler = _FreezeAndFuse(context, graph_log)
     run = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, bw_compiler=_as_traced,
                                 keep_inference_input_mutations=True)
-    return replace(compiler.result or CompiledGraph(run, not_cacheable="no inference graph"), run=run)
+    result = compiler.result
+    if result is None:
+        return CompiledGraph(run, not_cacheable="no inference graph")
+    if result.not_cacheable is None and not context.training:  # the graph alone is the whole call: no wrapper
+        return replace(result, run=graph_cache.inference_call(result.run))
+    return replace(result, run=run)
 
 
 class _FreezeAndFuse:
-    """aot's fw_compiler: the freeze and fuse stages on the aten graph; what they made is :attr:`result`."""
+    """aot's fw_compiler: the freeze and fuse stages on the aten graph; what they made is :attr:`result`, with
+    whether aot's runtime wrapper does more than call it (``not_cacheable``)."""
 
-    def __init__(self, context: GraphContext, graph_log: GraphLog, stored: bool):
-        self.context, self.graph_log, self.stored = context, graph_log, stored
+    def __init__(self, context: GraphContext, graph_log: GraphLog):
+        self.context, self.graph_log = context, graph_log
         self.result: Optional[CompiledGraph] = None
 
     def __call__(self, aten_gm: GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -239,9 +244,8 @@ class _FreezeAndFuse:
         passes = PassManager(context.families, context.device_type, force=context.force)
         fused = fuse(context, freeze(context, aten_gm, len(aten_inputs), passes, self.graph_log), aten_gm, passes,
                      self.graph_log)
-        if self.stored:  # aot's metadata of this trace says whether the graph alone is the whole call
-            fused = replace(fused, not_cacheable=graph_cache.calling_convention_problem(aten_gm, context.n_inputs))
-        self.result = fused
+        # aot's metadata of this trace says whether the graph alone is the whole call
+        self.result = replace(fused, not_cacheable=graph_cache.calling_convention_problem(aten_gm, context.n_inputs))
         return make_boxed_func(fused.run)
 
 

@@ -293,12 +293,19 @@ def runnable(entry: CachedGraph) -> Callable[..., Any]:
         run_graph = frozen.bind(runner(entry.main, entry.direct, entry.runner_code))
     else:
         frozen, run_graph = None, runner(entry.main, entry.direct, entry.runner_code)
+    run = inference_call(run_graph)
+    run.frozen = frozen  # type: ignore[attr-defined]
+    return run
+
+
+def inference_call(run_graph: Callable[..., Any]) -> Callable[..., Any]:
+    """``run_graph`` called as aot calls an inference graph whose calling convention it leaves as it is (no
+    input mutation, no aliased output: :func:`calling_convention_problem`): without gradients."""
 
     def run(*args: Any) -> Any:
         with torch.no_grad():
             return run_graph(*args)
 
-    run.frozen = frozen  # type: ignore[attr-defined]
     return run
 
 
