@@ -6,7 +6,10 @@ capture every call is a launch (or at least a trip through the dispatcher) from 
 * :func:`dedupe` computes once what the graph computes several times: each of Flux's blocks takes ``silu(temb)``
   again for its adaLN, and every q/k rotation unsqueezes the same rotary tables. Two calls of one pure op on the
   same arguments become one.
-* :func:`collapse_views` makes a chain of reshapes one view: a linear layer's ``view(addmm, [B, S, N])`` followed
+* :func:`linear_calls` gives a linear layer back the one call it was before aot decomposed it: ``linear(x, w, b)``
+  runs the same ``addmm`` on the same operands as ``view(addmm(b, view(x, [M, K]), t(w)), ...)``, with the views
+  and the transpose made in C++ instead of three calls from the host;
+* :func:`collapse_views` makes a chain of reshapes one view, and drops a view that changes nothing: a linear layer's ``view(addmm, [B, S, N])`` followed
   by the heads' ``view(., [B, S, H, D])`` is one view of the matmul's result.
 
 Both keep the invariants of ``passes/README.md``: nothing that writes in place is touched (nor anything at all in
@@ -24,7 +27,7 @@ from torch.fx import Graph, Node
 
 from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
 
-__all__ = ["dedupe", "collapse_views", "tidy"]
+__all__ = ["dedupe", "linear_calls", "collapse_views", "tidy"]
 
 aten = torch.ops.aten
 
@@ -38,10 +41,10 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 
 
 def tidy(graph: Graph) -> Dict[str, int]:
-    """:func:`dedupe`, then :func:`collapse_views`; how many calls each removed."""
+    """:func:`dedupe`, :func:`linear_calls`, then :func:`collapse_views`; how many calls each removed."""
     if any(writes_in_place(node) for node in graph.nodes):
-        return {"dedupe": 0, "collapse_views": 0}
-    return {"dedupe": dedupe(graph), "collapse_views": collapse_views(graph)}
+        return {"dedupe": 0, "linear_calls": 0, "collapse_views": 0}
+    return {"dedupe": dedupe(graph), "linear_calls": linear_calls(graph), "collapse_views": collapse_views(graph)}
 
 
 def _key(value: Any) -> Optional[Hashable]:
@@ -97,6 +100,10 @@ def collapse_views(graph: Graph) -> int:
     and strides; the reshapes in between go when nothing else reads them. Returns how many calls went."""
     before = sum(1 for n in graph.nodes if n.op == "call_function")
     for node in list(graph.nodes):
+        if is_call(node, *_RESHAPES) and _unchanged(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
         if not is_call(node, *_RESHAPES) or not is_call(node.args[0], *_RESHAPES):
             continue
         base = node.args[0]
@@ -123,6 +130,60 @@ def collapse_views(graph: Graph) -> int:
             graph.erase_node(previous)
             previous = above
     return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _unchanged(view: Node) -> bool:
+    """A reshape whose result has its input's shape, strides and offset (and is not an output)."""
+    out, source = tensor_val(view), tensor_val(view.args[0])
+    return (out is not None and source is not None and _static(out) and _static(source)
+            and same_layout(out, source) and out.storage_offset() == source.storage_offset()
+            and not any(user.op == "output" for user in view.users))
+
+
+def linear_calls(graph: Graph) -> int:
+    """Each ``addmm(b, x2, t(w))`` of a 1-D bias, where ``x2`` is 2-D or the row view ``view(x, [M, K])`` of a
+    contiguous 3-D ``x``, becomes ``linear(x, w, b)`` (then viewed as ``[M, N]`` for the 3-D ``x``): ATen's linear
+    computes exactly that addmm for these inputs. Returns how many calls went."""
+    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    for node in list(graph.nodes):
+        if not is_call(node, aten.addmm.default) or node.kwargs or len(node.args) != 3:
+            continue
+        bias, rows, transposed = node.args
+        if not is_call(transposed, aten.t.default) or not isinstance(bias, Node):
+            continue
+        weight = transposed.args[0]
+        b, w, out = tensor_val(bias), tensor_val(weight), tensor_val(node)
+        if b is None or w is None or out is None or b.dim() != 1 or w.dim() != 2 or not _static(out):
+            continue
+        source = rows
+        if is_call(rows, aten.view.default) and _is_row_view(rows):
+            source = rows.args[0]
+        elif tensor_val(rows) is None or tensor_val(rows).dim() != 2:
+            continue
+        with graph.inserting_before(node):
+            linear = graph.call_function(aten.linear.default, (source, weight, bias))
+            linear.meta["val"] = fake_call(aten.linear.default, (source, weight, bias), {}, lambda n: n.meta["val"])
+            result = linear
+            if source is not rows:
+                result = graph.call_function(aten.view.default, (linear, [int(s) for s in out.shape]))
+                result.meta["val"] = fake_call(aten.view.default, result.args, {}, lambda n: n.meta["val"])
+        if not same_layout(result.meta["val"], out):
+            for created in (result, linear) if result is not linear else (linear,):
+                graph.erase_node(created)
+            continue
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        for leftover in (transposed, rows):
+            if leftover is not source and isinstance(leftover, Node) and not leftover.users:
+                graph.erase_node(leftover)
+    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _is_row_view(view: Node) -> bool:
+    """``view(x, [M, K])`` of a contiguous 3-D ``x`` of static shape: the rows ATen's linear flattens it into."""
+    x = tensor_val(view.args[0])
+    return (x is not None and x.dim() == 3 and _static(x) and x.is_contiguous()
+            and list(view.args[1]) == [int(x.shape[0]) * int(x.shape[1]), int(x.shape[2])])
 
 
 def _static(value: torch.Tensor) -> bool:

@@ -271,12 +271,14 @@ def _binding_examples():
         "index_select.default": [(x, 1, torch.tensor([0, 2]))],
         "_scaled_dot_product_flash_attention_for_cpu.default": [(q, k, v), (q, k, v, 0.0, False, {"scale": 0.5})],
         "view_as_real.default": [(torch.view_as_complex(c),)], "view_as_complex.default": [(c,)],
+        "linear.default": [(x, n.t(), b), (m, n.t(), b)],
     }
 
 
 def test_every_bound_overload_reaches_that_overload_with_its_result():
-    """The runner calls these aten overloads through their Python bindings: each must dispatch to the very overload
-    of the graph (not a sibling, not a decomposition) and give what ``OpOverload`` gives."""
+    """The runner calls these aten overloads through their Python bindings: each must dispatch what the overload of
+    the graph dispatches (the overload itself, not a sibling; linear's decomposition for linear) and give what
+    ``OpOverload`` gives."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class FirstOp(TorchDispatchMode):
@@ -288,6 +290,7 @@ def test_every_bound_overload_reaches_that_overload_with_its_result():
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
+    aten_view = torch.ops.aten.view.default
     examples = _binding_examples()
     assert sorted(examples) == sorted(codegen.BOUND_OVERLOADS)
     for name, calls in examples.items():
@@ -300,11 +303,22 @@ def test_every_bound_overload_reaches_that_overload_with_its_result():
             args = call[:-1] if kwargs else call
             with FirstOp() as mode:
                 got = bound(*args, **kwargs)
-            assert mode.ops[:1] == [overload], (name, mode.ops[:3])
-            want = overload(*args, **kwargs)
+            with FirstOp() as reference:
+                want = overload(*args, **kwargs)
+            assert mode.ops == reference.ops, (name, mode.ops, reference.ops)
+            composite = name == "linear.default"  # decomposed above the dispatcher, by the binding as by the op
+            assert mode.ops[:1] == ([aten_view] if composite and args[0].dim() == 3 else
+                                    [torch.ops.aten.t.default] if composite else [overload]), name
             for a, b in zip(*(r if isinstance(r, (tuple, list)) else (r,) for r in (got, want))):
                 if isinstance(b, torch.Tensor):
                     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
                     assert a.stride() == b.stride(), name
+    for name, method in codegen.SIZE_AS_INTS.items():  # these take their sizes as separate ints
+        (x, sizes), = examples[name]
+        packet, overload_name = name.rsplit(".", 1)
+        overload = getattr(getattr(torch.ops.aten, packet), overload_name)
+        with FirstOp() as mode:
+            got = method(x, *sizes)
+        assert mode.ops == [overload] and torch.equal(got, overload(x, sizes)), name
     assert codegen.binding(torch.ops.aten.slice.Tensor) is None  # no binding: the boxed call
     assert codegen.binding(torch.ops.mindiesd.rms_norm.default) is None

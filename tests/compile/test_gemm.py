@@ -52,11 +52,12 @@ def calls(backend, *targets):
 
 
 def gemm_widths(backend):
-    """The output widths of the matmuls in the final graphs (sorted)."""
+    """The output widths of the matmuls in the final graphs (sorted): addmm, mm, and the linear calls that tidy makes
+    of addmm with a transposed weight."""
     widths = []
     for gm in backend.graphs:
         for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target in (aten.addmm.default, aten.mm.default):
+            if n.op == "call_function" and n.target in (aten.addmm.default, aten.mm.default, aten.linear.default):
                 widths.append(int(n.meta["val"].shape[-1]))
     return sorted(widths)
 

@@ -1,5 +1,6 @@
 """After fusion, fewer calls for the same values (``compilation/tidy.py``): a pure op computed twice on the same
-arguments runs once, a chain of reshapes is one view; outputs equal eager's, layouts the traced ones."""
+arguments runs once, a linear layer is one call, a chain of reshapes is one view; outputs equal eager's, layouts
+the traced ones."""
 
 import warnings
 from collections import Counter
@@ -48,8 +49,10 @@ def test_flux_takes_silu_of_the_embedding_once_and_reshapes_in_one_view(monkeypa
     # no reshape reads a reshape: the matmul's [B, S, N] and the heads' [B, S, H, D] are one view
     chained = [n for n in gm.graph.nodes if n.target in _RESHAPES and getattr(n.args[0], "target", None) in _RESHAPES]
     assert chained == []
-    assert sum(calls.values()) < sum(before.values()) - 60
-    assert calls[aten.addmm.default] == before[aten.addmm.default]  # nothing that computes went
+    assert sum(calls.values()) < sum(before.values()) - 150
+    # every linear layer is one linear call again (its views and transposed weight made inside it); none lost
+    assert calls[aten.linear.default] == before[aten.addmm.default] == 60
+    assert calls[aten.addmm.default] == calls[aten.t.default] == 0
 
 
 def test_identical_calls_run_once_but_outputs_stay_apart():
@@ -94,3 +97,19 @@ def test_a_chain_of_reshapes_keeps_the_traced_strides():
     assert_close(actual, expected)
     for a, e in zip(actual, expected):
         assert a.stride() == e.stride()
+
+
+def test_a_linear_layer_is_one_call_with_eager_bits():
+    """2-D and contiguous 3-D inputs become linear(x, w, b), bit for bit eager's; a transposed input or a matmul
+    without bias keeps its decomposition."""
+    lin = torch.nn.Linear(16, 24)
+
+    def fn(x, y):
+        return lin(x), lin(x[0]), lin(y.transpose(0, 1)), torch.nn.functional.linear(x, lin.weight)
+
+    x, y = _randn(2, 5, 16, seed=5), _randn(5, 2, 16, seed=6)
+    actual, expected, _, backend = run_compiled(fn, x, y, config=CompilationConfig(cache_dir=None))
+    calls = _calls(backend.graphs[0])
+    assert calls[aten.linear.default] == 2
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e) and a.stride() == e.stride()
