@@ -29,6 +29,7 @@ __all__ = [
     "settings_table",
     "default_cache_dir",
     "ENV_VAR",
+    "TRUST_ENV_VAR",
     "FusionPatterns",
     "CompilationConfigError",
     "UnknownSettingError",
@@ -61,6 +62,15 @@ def default_cache_dir() -> Optional[str]:
         return None if value.strip().lower() in _OFF else value
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mindiesd")
+
+
+#: Environment variable: ``1`` (or ``true``) reads cache files owned by another user (``cache_trust_foreign_owner``).
+TRUST_ENV_VAR = "MINDIESD_CACHE_TRUST_FOREIGN_OWNER"
+
+
+def default_trust_foreign_owner() -> bool:
+    """Whether ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` asks to read a cache owned by another user."""
+    return os.environ.get(TRUST_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,15 @@ _FIELDS: Dict[str, _Field] = {
         "Persistent compile cache: the folder where each compiled graph is stored and loaded from by later "
         "processes (None: off). Default: $MINDIESD_CACHE_DIR ('off' turns it off), else ~/.cache/mindiesd.",
         default_from=default_cache_dir, default_doc="$MINDIESD_CACHE_DIR, else ~/.cache/mindiesd",
+    ),
+    "cache_trust_foreign_owner": _Field(
+        False, _is_bool, "a bool",
+        "Read cache entries and artifacts owned by another user: a read-only cache shared on purpose (baked into "
+        "an image, on a shared volume). Without it such files are ignored with a warning, as ssh ignores an "
+        "authorized_keys file another user owns. Anything writable by group or others, and symbolic links below "
+        "the cache folder, are refused all the same; nothing is written into a folder another user owns. "
+        "Default: $MINDIESD_CACHE_TRUST_FOREIGN_OWNER=1.",
+        default_from=default_trust_foreign_owner, default_doc="$MINDIESD_CACHE_TRUST_FOREIGN_OWNER, else False",
     ),
 }
 
