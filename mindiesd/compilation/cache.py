@@ -34,6 +34,10 @@ between. Anything else is not read, one :class:`MindieSDCacheWarning` per folder
 written there. ``cache_trust_foreign_owner`` accepts another user's files (a read-only cache shared on purpose).
 Folders the cache makes are 0700, its files 0600.
 
+**Size.** A store that would take the folder past ``cache_max_bytes`` first removes the least recently used graphs and
+artifacts (a load sets a file's mtime: a use), under an ``flock`` of the folder's lock file, so processes sharing
+the folder keep it under the limit together.
+
 **Not cached** (compiled as without a cache; the graph's ``record.cache`` says why): graphs with symbolic shapes
 (their guards come from the compile), training graphs, graphs under autocast, and graphs whose calling
 convention aot changes (input mutations, outputs that alias an input or an intermediate, duplicated inputs,
@@ -55,7 +59,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.fx import GraphModule
@@ -442,16 +446,19 @@ def _open_file(root: Path, parts: Sequence[str], trust_foreign_owner: bool) -> i
 
 
 #: (folder, reason) pairs already warned about in this process: one warning each, not one per file and call.
-_WARNED_UNTRUSTED: set = set()
+_WARNED: set = set()
+
+
+def _warn_once(folder: str, reason: str, message: str) -> None:
+    if (folder, reason) not in _WARNED:
+        _WARNED.add((folder, reason))
+        _warn(message)
 
 
 def _warn_untrusted(exc: UntrustedPath, doing: str) -> None:
     folder = exc.path if os.path.isdir(exc.path) else os.path.dirname(exc.path)
-    if (folder, exc.reason) in _WARNED_UNTRUSTED:
-        return
-    _WARNED_UNTRUSTED.add((folder, exc.reason))
-    _warn(f"not {doing} {exc}: the graph is compiled and kept in memory for this process, and nothing is written "
-          "there")
+    _warn_once(folder, exc.reason, f"not {doing} {exc.path}: it {exc.reason}; the graph is compiled and kept in "
+                                   "memory for this process, and nothing is written there")
 
 
 # ------------------------------------------------------------------------------------------------ the store
@@ -506,22 +513,25 @@ class GraphCache:
 
 class CacheFolder:
     """One cache folder as the graph cache and the ahead-of-time artifacts use it: a file is read only when it and
-    its folders are trusted (:func:`untrusted_reason`), and written only into folders this user owns."""
+    its folders are trusted (:func:`untrusted_reason`), written only into folders this user owns, and the folder
+    kept under ``max_bytes`` by removing the least recently used files (None: no limit; :meth:`of` applies the
+    settings)."""
 
-    def __init__(self, root: Any, trust_foreign_owner: bool = False):
+    def __init__(self, root: Any, trust_foreign_owner: bool = False, max_bytes: Optional[int] = None):
         self.root = Path(root).expanduser()
-        self.trust_foreign_owner = trust_foreign_owner
+        self.trust_foreign_owner, self.max_bytes = trust_foreign_owner, max_bytes
 
     @classmethod
     def of(cls, config: Any) -> Optional["CacheFolder"]:
         """The cache folder of a :class:`~mindiesd.compilation.config.CompilationConfig` (None: the cache is off)."""
         if not config.cache_dir:
             return None
-        return cls(config.cache_dir, trust_foreign_owner=config.cache_trust_foreign_owner)
+        return cls(config.cache_dir, config.cache_trust_foreign_owner, config.cache_max_bytes)
 
     def read(self, path: Path) -> Optional[bytes]:
-        """The bytes of the file ``path`` of this folder; None when there is none, or when it is not trusted (one
-        warning per folder and reason)."""
+        """The bytes of the file ``path`` of this folder, its use recorded when it is this user's (its mtime: what
+        eviction orders by); None when there is none, or when it is not trusted (one warning per folder and
+        reason)."""
         try:
             fd = _open_file(self.root, path.relative_to(self.root).parts, self.trust_foreign_owner)
         except UntrustedPath as exc:
@@ -529,13 +539,16 @@ class CacheFolder:
             return None
         except (FileNotFoundError, NotADirectoryError):
             return None
+        if os.fstat(fd).st_uid == os.getuid():
+            with contextlib.suppress(OSError):
+                os.utime(fd)
         with os.fdopen(fd, "rb") as fh:
             return fh.read()
 
     def write(self, path: Path, data: bytes) -> bool:
-        """Write ``data`` to the file ``path`` of this folder atomically, making its folders (mode 0700); False
-        (with one warning per folder and reason) when a folder on the way is not this user's to write into.
-        Raises OSError when the write itself fails."""
+        """Write ``data`` to the file ``path`` of this folder atomically, making its folders (mode 0700) and room
+        under the limit; False (with one warning per folder and reason) when a folder on the way is not this
+        user's to write into or ``data`` alone passes the limit. Raises OSError when the write itself fails."""
         parts = path.relative_to(self.root).parts
         try:
             folder = _open_folder(self.root, parts[:-1], False, create=True)
@@ -546,8 +559,66 @@ class CacheFolder:
         except UntrustedPath as exc:
             _warn_untrusted(exc, "writing into")
             return False
-        write_atomic(path, data)
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            _warn_once(str(self.root), "too large", f"not storing {path.name}: its {len(data)} bytes pass "
+                       f"cache_max_bytes ({self.max_bytes}); it is kept in memory for this process")
+            return False
+        with self._locked():
+            self._make_room(len(data), path)
+            write_atomic(path, data)
         return True
+
+    def _make_room(self, incoming: int, replaced: Path) -> None:
+        """Remove the least recently used entries and artifacts until ``incoming`` more bytes fit under the limit
+        (``replaced``, which the new file replaces, counts as gone). Another process may remove or replace a file
+        meanwhile: a file gone is skipped, and a reader that opened it keeps reading it."""
+        if self.max_bytes is None:
+            return
+        stored = []
+        for path in cache_entries(str(self.root)):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if path != replaced:
+                    stored.append((st.st_mtime_ns, st.st_size, path))
+        total = incoming + sum(size for _, size, _ in stored)
+        for _, size, path in sorted(stored):
+            if total <= self.max_bytes:
+                return
+            if _remove(path):
+                total -= size
+                log.debug("cache evicted %s (%d bytes)", path, size)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The folder's lock file held while it is trimmed and written, so that processes sharing it keep it under
+        the limit together; where no lock can be taken (no fcntl, a read-only folder) the store goes unlocked."""
+        try:
+            import fcntl
+
+            fd = os.open(self.root / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except (ImportError, OSError):
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+#: The lock file of a cache folder (:meth:`CacheFolder._locked`).
+_LOCK_FILE = ".lock"
+
+
+def _remove(path: Path) -> bool:
+    """Unlink ``path``; False when it cannot be (True when another process removed it first)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -684,8 +755,8 @@ def settings_for_key(settings: Dict[str, Any]) -> Dict[str, Any]:
 
 
 #: Settings that change how the compiled graph is run, logged or cached, not the graph.
-_RUN_TIME_SETTINGS = ("cache_dir", "cache_trust_foreign_owner", "graph_log_url", "strict", "aclgraph_max_graphs",
-                      "safe_output_mode")
+_RUN_TIME_SETTINGS = ("cache_dir", "cache_max_bytes", "cache_trust_foreign_owner", "graph_log_url", "strict",
+                      "aclgraph_max_graphs", "safe_output_mode")
 
 
 def describe(folder: Optional[str]) -> Tuple[Optional[Path], int, int]:

@@ -218,7 +218,7 @@ def test_trusting_a_foreign_owner_reads_a_shared_read_only_cache(tmp_path, block
     with torch.no_grad():
         assert_close(out, model(x))
     other = torch.randn(3, 8, 16)  # a new shape: compiled, and not written into the other user's folder
-    monkeypatch.setattr(graph_cache, "_WARNED_UNTRUSTED", set())  # as in a process that read the folder only
+    monkeypatch.setattr(graph_cache, "_WARNED", set())  # as in a process that read the folder only
     with pytest.warns(MindieSDCacheWarning, match="not writing into"):
         assert _compile(model, other, root, **settings)[1] == ["store failed"]
     assert _tree(root) == before
@@ -233,9 +233,13 @@ def test_trusting_a_foreign_owner_still_refuses_what_others_can_write(tmp_path, 
     _plant(entry, tmp_path / "marker")
     _foreign_read_only(root)
     entry.chmod(0o666)
-    with pytest.warns(MindieSDCacheWarning, match="writable by group and others"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _compile(model, x, root, cache_trust_foreign_owner=True)
     assert not (tmp_path / "marker").exists()
+    reading, writing = _cache_warnings(caught)
+    assert f"not reading {entry}: it is writable by group and others" in reading
+    assert f"not writing into {root}: it is owned by uid {FOREIGN_UID}" in writing
 
 
 def test_the_trust_setting_is_not_in_the_key(tmp_path, block):
