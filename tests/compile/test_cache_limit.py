@@ -8,6 +8,7 @@ entry larger than the limit is compiled and kept in memory; ``python -m mindiesd
 from __future__ import annotations
 
 import multiprocessing
+import stat
 import warnings
 
 import pytest
@@ -97,7 +98,10 @@ def test_new_resolutions_of_an_ahead_of_time_module_stay_under_the_limit(tmp_pat
             assert_close(model(x), WeightedBlock.forward(block, x))
             assert _total(tmp_path) <= limit
     assert set(model.forward.outcomes.values()) == {"stored"}
-    assert 2 <= len(graph_cache.artifact_files(str(tmp_path))) <= 3
+    artifacts = graph_cache.artifact_files(str(tmp_path))
+    assert 2 <= len(artifacts) <= 3
+    assert stat.S_IMODE(artifacts[0].parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(artifacts[0].stat().st_mode) == 0o600
     del block.forward
     torch._dynamo.reset()
     again = aot_compile(block, MindieSDBackend(config))
