@@ -73,8 +73,29 @@ def _cache_command(args: argparse.Namespace) -> int:
     else:
         artifacts = len(cache.artifact_files(chosen))
         print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'} ({entries - artifacts} graphs, "
-              f"{artifacts} ahead-of-time artifacts), {size / 2**20:.1f} MiB")
+              f"{artifacts} ahead-of-time artifacts), {size / 2**20:.1f} MiB of {_limit_text()}")
+        refused = _untrusted(folder)
+        if refused:
+            print(f"not trusted, so neither read nor written: {refused}")
     return 0
+
+
+def _limit_text() -> str:
+    """The size limit of the cache as the cache command shows it."""
+    from .compilation.config import CompilationConfig
+
+    limit = CompilationConfig.cache_max_bytes
+    return "no limit (cache_max_bytes=None)" if limit is None else f"{limit / 2**20:.1f} MiB (cache_max_bytes)"
+
+
+def _untrusted(folder: Any) -> str | None:
+    """Why the cache folder itself is not trusted, or None (also when it does not exist yet)."""
+    from .compilation import cache
+    from .compilation.config import CompilationConfig
+
+    if not folder.is_dir():
+        return None
+    return cache.untrusted_reason(folder, folder, CompilationConfig.cache_trust_foreign_owner)
 
 
 def _env_command(args: argparse.Namespace) -> int:

@@ -287,13 +287,13 @@ class AotForward:
     def _prepare(self, key: str, args: Tuple[Any, ...],
                  kwargs: Dict[str, Any]) -> Tuple[Callable[..., Any], str, Any]:
         """How the artifact ``key`` runs, the outcome's word and the artifact (None: not one)."""
-        folder = self.backend.config.cache_dir
+        folder = graph_cache.CacheFolder.of(self.backend.config)
         known = self.shared.get(key)
         if known is not None and known.guard_check(self.module, *args, **kwargs):
             return self._bind(known), "shared", known
-        path = Path(folder).expanduser() / FOLDER / f"{key}{SUFFIX}" if folder else None
-        if path is not None and path.is_file():
-            loaded = self._load(path, key, args, kwargs)
+        path = folder.root / FOLDER / f"{key}{SUFFIX}" if folder is not None else None
+        if path is not None:
+            loaded = self._load(folder, path, key, args, kwargs)
             if loaded is not None:
                 self.shared[key] = loaded
                 return self._bind(loaded), "loaded", loaded
@@ -306,7 +306,7 @@ class AotForward:
         outcome = "compiled"
         self.shared[key] = compiled
         if path is not None:
-            outcome = "stored" if self._store(compiled, path, key) else "compiled"
+            outcome = "stored" if self._store(folder, compiled, path, key) else "compiled"
         return self._bind(compiled), outcome, compiled
 
     def _bind(self, compiled: Any) -> Callable[..., Any]:
@@ -336,10 +336,11 @@ class AotForward:
             if forward is not None:
                 self.module.__dict__["forward"] = forward
 
-    def _store(self, compiled: Any, path: Path, key: str) -> bool:
+    def _store(self, folder: graph_cache.CacheFolder, compiled: Any, path: Path, key: str) -> bool:
         try:
             data = type(compiled).serialize(compiled, self._closure()).serialized_data
-            graph_cache.write_atomic(path, graph_cache.frame(data, key))
+            if not folder.write(path, graph_cache.frame(data, key)):
+                return False
         except Exception as exc:
             _warn(f"cannot store the artifact of {type(self.module).__name__} ({type(exc).__name__}: "
                   f"{_first_line(exc)}); it is compiled again in the next process")
@@ -347,11 +348,15 @@ class AotForward:
         log.info("aot: stored %s (%d bytes)", path, path.stat().st_size)
         return True
 
-    def _load(self, path: Path, key: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Any]:
+    def _load(self, folder: graph_cache.CacheFolder, path: Path, key: str, args: Tuple[Any, ...],
+              kwargs: Dict[str, Any]) -> Optional[Any]:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         try:
-            data = graph_cache.unframe(path.read_bytes(), key)
+            framed = folder.read(path)
+            if framed is None:
+                return None
+            data = graph_cache.unframe(framed, key)
             loaded = AOTCompiledFunction.deserialize(data, f_globals=self.function.__globals__,
                                                      external_closure_data=self._closure())
             accepted = loaded.guard_check(self.module, *args, **kwargs)

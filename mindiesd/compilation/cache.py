@@ -8,8 +8,8 @@ Dynamo still traces the Python code in every new process: the cache starts where
 
 - the entry format, mindiesd's version and a hash of its Python sources, torch's, diffusers' and Python's versions;
 - the device kind (type; for an accelerator also its name and compute capability);
-- the settings snapshot (all but ``cache_dir``, ``graph_log_url``, ``strict``, ``aclgraph_max_graphs`` and
-  ``safe_output_mode``, which change how the graph is run or logged, not the graph) and the families skipped on the device, with the reason (so kernels registered later count);
+- the settings snapshot (all but :data:`_RUN_TIME_SETTINGS`, which change how the graph is run, logged or cached,
+  not the graph) and the families skipped on the device, with the reason (so kernels registered later count);
 - grad mode and autocast state;
 - the code of the Dynamo graph (its submodules included) and the values of its tensor attributes;
 - per example input: shape, strides, storage offset, dtype, device, ``requires_grad``, whether it is a parameter
@@ -23,8 +23,20 @@ and the pickled payload (the graphs as their nodes, rebuilt without re-tracing t
 temporary file in the same folder and renamed into place, so a reader sees a whole entry or none, and two
 processes writing one entry at once leave one whole entry. A file that is truncated, corrupt, written by another
 format or stored under another key is ignored with a :class:`MindieSDCacheWarning` and the graph is compiled (and
-the entry written) again. Entries are Python pickles: like Inductor's cache, the folder must be trusted (it is the
-user's own by default).
+the entry written) again.
+
+**Trust.** Entries are Python pickles, and unpickling runs code: an entry is read only when it and every folder from
+the cache folder down to it belong to this user (or root) and are writable by nobody else (a group of the owner
+alone excepted), as ssh judges authorized_keys; no symbolic link below the cache folder is followed (the cache
+folder's own path may pass through one: its target is checked). Each check is made on the opened file or folder
+(``fstat`` of a descriptor opened with ``O_NOFOLLOW`` relative to its checked parent), so nothing can be swapped in
+between. Anything else is not read, one :class:`MindieSDCacheWarning` per folder and reason says why, and nothing is
+written there. ``cache_trust_foreign_owner`` accepts another user's files (a read-only cache shared on purpose).
+Folders the cache makes are 0700, its files 0600.
+
+**Size.** A store that would take the folder past ``cache_max_bytes`` first removes the least recently used graphs and
+artifacts (a load sets a file's mtime: a use), under an ``flock`` of the folder's lock file, so processes sharing
+the folder keep it under the limit together.
 
 **Not cached** (compiled as without a cache; the graph's ``record.cache`` says why): graphs with symbolic shapes
 (their guards come from the compile), training graphs, graphs under autocast, and graphs whose calling
@@ -34,6 +46,7 @@ tensor subclasses, effect tokens).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -41,11 +54,12 @@ import logging
 import os
 import pickle
 import platform
+import stat
 import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.fx import GraphModule
@@ -55,7 +69,8 @@ from . import stored_graph
 log = logging.getLogger("mindiesd.compilation")
 
 __all__ = [
-    "MindieSDCacheWarning", "CachedGraph", "GraphCache", "cache_entries", "clear_cache", "describe", "FORMAT",
+    "MindieSDCacheWarning", "CachedGraph", "GraphCache", "CacheFolder", "UntrustedPath", "untrusted_reason",
+    "cache_entries", "clear_cache", "describe", "FORMAT",
 ]
 
 #: Version of the entry layout; entries of another format are ignored.
@@ -309,6 +324,150 @@ def inference_call(run_graph: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+# ------------------------------------------------------------------------------------------ trusted folders
+
+
+class UntrustedPath(Exception):
+    """A file or folder of a cache folder that mindiesd does not read: :attr:`path` is the part at fault."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason = path, reason
+
+
+def untrusted_reason(path: Any, root: Any, trust_foreign_owner: bool = False) -> Optional[str]:
+    """Why the file or folder ``path`` of the cache folder ``root`` is not to be read (the part at fault and the
+    rule it breaks), or None when it may be: the check every read of the cache makes (:class:`CacheFolder`)."""
+    root = Path(root).expanduser()
+    parts = Path(path).expanduser().relative_to(root).parts
+    opener = _open_folder if Path(path).is_dir() else _open_file
+    try:
+        fd = opener(root, parts, trust_foreign_owner)
+    except UntrustedPath as exc:
+        return str(exc)
+    os.close(fd)
+    return None
+
+
+def _fault(st: os.stat_result, trust_foreign_owner: bool) -> Optional[str]:
+    """What makes a file or folder with this status untrusted, as ssh judges authorized_keys: an owner other than
+    this user or root (unless trusted), or write access for group or others (a user's private group excepted)."""
+    uid = os.getuid()
+    if st.st_uid not in (uid, 0) and not trust_foreign_owner:
+        return (f"is owned by uid {st.st_uid}, neither this user (uid {uid}) nor root "
+                "(cache_trust_foreign_owner reads a cache shared on purpose)")
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable & stat.S_IWGRP and _private_group(st.st_uid, st.st_gid):
+        writable &= ~stat.S_IWGRP
+    if writable:
+        who = "others" if writable == stat.S_IWOTH else "its group" if writable == stat.S_IWGRP else "group and others"
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}; chmod go-w makes it the owner's alone)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _private_group(uid: int, gid: int) -> bool:
+    """Whether ``gid`` is the user private group of ``uid`` (named after the user, no other member), as a umask of
+    002 makes group-writable folders on many systems; Debian's sshd accepts those too."""
+    try:
+        import grp
+        import pwd
+
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return user.pw_gid == gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+
+
+_SYMLINK = "is a symbolic link (none is followed below the cache folder)"
+
+
+def _checked_open(name: str, flags: int, dir_fd: int, shown: str, trust_foreign_owner: bool) -> int:
+    """``name`` in the folder ``dir_fd`` opened without following a symbolic link, and checked on what was opened
+    (fstat), so that nothing can be swapped in between the check and the read."""
+    if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        raise UntrustedPath(shown, _SYMLINK)
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    reason = _fault(os.fstat(fd), trust_foreign_owner)
+    if reason is not None:
+        os.close(fd)
+        raise UntrustedPath(shown, reason)
+    return fd
+
+
+def _open_folder(root: Path, parts: Sequence[str], trust_foreign_owner: bool, create: bool = False) -> int:
+    """A descriptor of the folder ``root/parts``, each folder from the root down checked (the root's own path may
+    pass through symbolic links: its target is checked); ``create`` makes the missing ones, mode 0700."""
+    real_root = os.path.realpath(root)
+    if create and not os.path.isdir(real_root):
+        os.makedirs(os.path.dirname(real_root), exist_ok=True)
+        _make_folder(real_root)
+    fd = os.open(real_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    reason = _fault(os.fstat(fd), trust_foreign_owner)
+    if reason is not None:
+        os.close(fd)
+        raise UntrustedPath(str(root), reason)
+    shown = root
+    for part in parts:
+        shown = shown / part
+        if create:
+            _make_folder(part, fd)
+        try:
+            next_fd = _checked_open(part, os.O_RDONLY | os.O_DIRECTORY, fd, str(shown), trust_foreign_owner)
+        finally:
+            os.close(fd)
+        fd = next_fd
+    return fd
+
+
+def _check_replaceable(name: str, dir_fd: int, shown: str) -> None:
+    """Raise :class:`UntrustedPath` when the file ``name`` exists and would not be read: a store does not replace
+    it either (it stays for its owner to look at)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    reason = _SYMLINK if stat.S_ISLNK(st.st_mode) else _fault(st, False)
+    if reason is not None:
+        raise UntrustedPath(shown, reason)
+
+
+def _make_folder(path: str, dir_fd: Optional[int] = None) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700, dir_fd=dir_fd)
+
+
+def _open_file(root: Path, parts: Sequence[str], trust_foreign_owner: bool) -> int:
+    """A descriptor of the regular file ``root/parts`` whose folders and itself pass the checks."""
+    folder = _open_folder(root, parts[:-1], trust_foreign_owner)
+    try:
+        # O_NONBLOCK: a FIFO planted in its place must not block the open
+        fd = _checked_open(parts[-1], os.O_RDONLY | os.O_NONBLOCK, folder, str(root.joinpath(*parts)),
+                           trust_foreign_owner)
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UntrustedPath(str(root.joinpath(*parts)), "is not a regular file")
+    return fd
+
+
+#: (folder, reason) pairs already warned about in this process: one warning each, not one per file and call.
+_WARNED: set = set()
+
+
+def _warn_once(folder: str, reason: str, message: str) -> None:
+    if (folder, reason) not in _WARNED:
+        _WARNED.add((folder, reason))
+        _warn(message)
+
+
+def _warn_untrusted(exc: UntrustedPath, doing: str) -> None:
+    folder = exc.path if os.path.isdir(exc.path) else os.path.dirname(exc.path)
+    _warn_once(folder, exc.reason, f"not {doing} {exc.path}: it {exc.reason}; the graph is compiled and kept in "
+                                   "memory for this process, and nothing is written there")
+
+
 # ------------------------------------------------------------------------------------------------ the store
 
 
@@ -317,23 +476,25 @@ def _warn(message: str) -> None:
 
 
 class GraphCache:
-    """Entries of one cache folder."""
+    """Entries of one cache folder (a path: the default rules; a :class:`CacheFolder`: its settings)."""
 
-    def __init__(self, root: str):
-        self.root = Path(root).expanduser()
+    def __init__(self, root: Union[str, Path, "CacheFolder"]):
+        self.folder = root if isinstance(root, CacheFolder) else CacheFolder(root)
+        self.root = self.folder.root
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}{_SUFFIX}"
 
     def load(self, key: str) -> Optional[CachedGraph]:
-        """The entry stored under ``key``; None when there is none or it is unusable (with a warning)."""
+        """The entry stored under ``key``; None when there is none or it is unusable or untrusted (with a
+        warning)."""
         path = self.path(key)
         try:
-            data = path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+            data = self.folder.read(path)
         except OSError as exc:
             _warn(f"cannot read {path} ({exc}); compiling")
+            return None
+        if data is None:
             return None
         try:
             entry = _decode(data, key)
@@ -348,7 +509,8 @@ class GraphCache:
         path = self.path(key)
         try:
             data = _encode(entry, key)
-            write_atomic(path, data)
+            if not self.folder.write(path, data):
+                return None
         except Exception as exc:
             _warn(f"cannot write {path} ({type(exc).__name__}: {exc}); the graph is compiled again next time")
             return None
@@ -356,10 +518,120 @@ class GraphCache:
         return path
 
 
+class CacheFolder:
+    """One cache folder as the graph cache and the ahead-of-time artifacts use it: a file is read only when it and
+    its folders are trusted (:func:`untrusted_reason`), written only into folders this user owns, and the folder
+    kept under ``max_bytes`` by removing the least recently used files (None: no limit; :meth:`of` applies the
+    settings)."""
+
+    def __init__(self, root: Any, trust_foreign_owner: bool = False, max_bytes: Optional[int] = None):
+        self.root = Path(root).expanduser()
+        self.trust_foreign_owner, self.max_bytes = trust_foreign_owner, max_bytes
+
+    @classmethod
+    def of(cls, config: Any) -> Optional["CacheFolder"]:
+        """The cache folder of a :class:`~mindiesd.compilation.config.CompilationConfig` (None: the cache is off)."""
+        if not config.cache_dir:
+            return None
+        return cls(config.cache_dir, config.cache_trust_foreign_owner, config.cache_max_bytes)
+
+    def read(self, path: Path) -> Optional[bytes]:
+        """The bytes of the file ``path`` of this folder, its use recorded when it is this user's (its mtime: what
+        eviction orders by); None when there is none, or when it is not trusted (one warning per folder and
+        reason)."""
+        try:
+            fd = _open_file(self.root, path.relative_to(self.root).parts, self.trust_foreign_owner)
+        except UntrustedPath as exc:
+            _warn_untrusted(exc, "reading")
+            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if os.fstat(fd).st_uid == os.getuid():
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
+
+    def write(self, path: Path, data: bytes) -> bool:
+        """Write ``data`` to the file ``path`` of this folder atomically, making its folders (mode 0700) and room
+        under the limit; False (with one warning per folder and reason) when a folder on the way is not this
+        user's to write into or ``data`` alone passes the limit. Raises OSError when the write itself fails."""
+        parts = path.relative_to(self.root).parts
+        try:
+            folder = _open_folder(self.root, parts[:-1], False, create=True)
+            try:
+                _check_replaceable(parts[-1], folder, str(path))
+            finally:
+                os.close(folder)
+        except UntrustedPath as exc:
+            _warn_untrusted(exc, "writing into")
+            return False
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            _warn_once(str(self.root), "too large", f"not storing {path.name}: its {len(data)} bytes pass "
+                       f"cache_max_bytes ({self.max_bytes}); it is kept in memory for this process")
+            return False
+        with self._locked():
+            self._make_room(len(data), path)
+            write_atomic(path, data)
+        return True
+
+    def _make_room(self, incoming: int, replaced: Path) -> None:
+        """Remove the least recently used entries and artifacts until ``incoming`` more bytes fit under the limit
+        (``replaced``, which the new file replaces, counts as gone). Another process may remove or replace a file
+        meanwhile: a file gone is skipped, and a reader that opened it keeps reading it."""
+        if self.max_bytes is None:
+            return
+        stored = []
+        for path in cache_entries(str(self.root)):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if path != replaced:
+                    stored.append((st.st_mtime_ns, st.st_size, path))
+        total = incoming + sum(size for _, size, _ in stored)
+        for _, size, path in sorted(stored):
+            if total <= self.max_bytes:
+                return
+            if _remove(path):
+                total -= size
+                log.debug("cache evicted %s (%d bytes)", path, size)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The folder's lock file held while it is trimmed and written, so that processes sharing it keep it under
+        the limit together; where no lock can be taken (no fcntl, a read-only folder) the store goes unlocked."""
+        try:
+            import fcntl
+
+            fd = os.open(self.root / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except (ImportError, OSError):
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+#: The lock file of a cache folder (:meth:`CacheFolder._locked`).
+_LOCK_FILE = ".lock"
+
+
+def _remove(path: Path) -> bool:
+    """Unlink ``path``; False when it cannot be (True when another process removed it first)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder renamed into place, so a reader sees
     a whole file or none (and two writers leave one whole file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -420,10 +692,7 @@ def _decode(data: bytes, key: str) -> CachedGraph:
 def cache_entries(folder: Optional[str]) -> List[Path]:
     """The entry files of the cache ``folder`` (None: the cache is off, no entries): the graphs and the
     ahead-of-time artifacts (:func:`artifact_files`)."""
-    root = _root(folder)
-    if root is None or not root.is_dir():
-        return []
-    return sorted(root.glob(f"??/*{_SUFFIX}")) + artifact_files(folder)
+    return _files(folder, _holds_graphs, _SUFFIX) + artifact_files(folder)
 
 
 #: The folder of the ahead-of-time artifacts (:mod:`mindiesd.compilation.aot`) in a cache folder, and their suffix.
@@ -433,9 +702,35 @@ ARTIFACT_SUFFIX = ".aot"
 
 def artifact_files(folder: Optional[str]) -> List[Path]:
     """The ahead-of-time artifact files of the cache ``folder``."""
+    return _files(folder, lambda name: name == ARTIFACT_FOLDER, ARTIFACT_SUFFIX)
+
+
+def _holds_graphs(name: str) -> bool:
+    return len(name) == 2
+
+
+def _holds_entries(name: str) -> bool:
+    return _holds_graphs(name) or name == ARTIFACT_FOLDER
+
+
+def _files(folder: Optional[str], holds_entries: Callable[[str], bool], suffix: str) -> List[Path]:
+    """The regular files ending in ``suffix`` in the subfolders of ``folder`` that ``holds_entries`` names; symbolic
+    links are not followed, so listing, clearing and evicting never reach outside the cache folder."""
     root = _root(folder)
-    artifacts = root / ARTIFACT_FOLDER if root is not None else None
-    return sorted(artifacts.glob(f"*{ARTIFACT_SUFFIX}")) if artifacts is not None and artifacts.is_dir() else []
+    found = []
+    for sub in _listing(root) if root is not None else []:
+        if sub.is_dir(follow_symlinks=False) and holds_entries(sub.name):
+            found += [Path(f.path) for f in _listing(Path(sub.path))
+                      if f.name.endswith(suffix) and f.is_file(follow_symlinks=False)]
+    return sorted(found)
+
+
+def _listing(folder: Path) -> List[os.DirEntry]:
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def clear_cache(folder: Optional[str]) -> int:
@@ -445,14 +740,15 @@ def clear_cache(folder: Optional[str]) -> int:
     if root is None or not root.is_dir():
         return 0
     removed = 0
-    leftovers = list(root.glob("??/.*.tmp")) + list(root.glob(f"{ARTIFACT_FOLDER}/.*.tmp"))
+    leftovers = _files(folder, _holds_entries, ".tmp")
     for path in cache_entries(folder) + leftovers:
         with _ignored():
             path.unlink()
             removed += path.suffix in (_SUFFIX, ARTIFACT_SUFFIX)
-    for folder_of_entries in [*root.glob("??"), root / ARTIFACT_FOLDER]:
-        with _ignored():
-            folder_of_entries.rmdir()
+    for sub in _listing(root):
+        if sub.is_dir(follow_symlinks=False) and _holds_entries(sub.name):
+            with _ignored():
+                os.rmdir(sub.path)
     return removed
 
 
@@ -465,8 +761,9 @@ def settings_for_key(settings: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in _RUN_TIME_SETTINGS}
 
 
-#: Settings that change how the compiled graph is run or logged, not the graph.
-_RUN_TIME_SETTINGS = ("cache_dir", "graph_log_url", "strict", "aclgraph_max_graphs", "safe_output_mode")
+#: Settings that change how the compiled graph is run, logged or cached, not the graph.
+_RUN_TIME_SETTINGS = ("cache_dir", "cache_max_bytes", "cache_trust_foreign_owner", "graph_log_url", "strict",
+                      "aclgraph_max_graphs", "safe_output_mode")
 
 
 def describe(folder: Optional[str]) -> Tuple[Optional[Path], int, int]:

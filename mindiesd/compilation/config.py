@@ -29,6 +29,8 @@ __all__ = [
     "settings_table",
     "default_cache_dir",
     "ENV_VAR",
+    "TRUST_ENV_VAR",
+    "DEFAULT_CACHE_MAX_BYTES",
     "FusionPatterns",
     "CompilationConfigError",
     "UnknownSettingError",
@@ -61,6 +63,20 @@ def default_cache_dir() -> Optional[str]:
         return None if value.strip().lower() in _OFF else value
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mindiesd")
+
+
+#: Default of ``cache_max_bytes``: 2 GiB. A deep Flux (19 + 38 blocks) whole-model artifact measured 11 MB and its
+#: graph entry 1.9 MB, so it holds some 160 such resolutions; without a limit the folder only grows, since every
+#: new version, setting or resolution adds entries and nothing removes the old ones.
+DEFAULT_CACHE_MAX_BYTES = 2 * 2**30
+
+#: Environment variable: ``1`` (or ``true``) reads cache files owned by another user (``cache_trust_foreign_owner``).
+TRUST_ENV_VAR = "MINDIESD_CACHE_TRUST_FOREIGN_OWNER"
+
+
+def default_trust_foreign_owner() -> bool:
+    """Whether ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` asks to read a cache owned by another user."""
+    return os.environ.get(TRUST_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,10 @@ def _is_optional_folder(value: Any) -> bool:
 
 def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_optional_positive_int(value: Any) -> bool:
+    return value is None or _is_positive_int(value)
 
 
 def _unknown(owner: str, name: str, fields: Dict[str, _Field]) -> UnknownSettingError:
@@ -210,6 +230,21 @@ _FIELDS: Dict[str, _Field] = {
         "Persistent compile cache: the folder where each compiled graph is stored and loaded from by later "
         "processes (None: off). Default: $MINDIESD_CACHE_DIR ('off' turns it off), else ~/.cache/mindiesd.",
         default_from=default_cache_dir, default_doc="$MINDIESD_CACHE_DIR, else ~/.cache/mindiesd",
+    ),
+    "cache_max_bytes": _Field(
+        DEFAULT_CACHE_MAX_BYTES, _is_optional_positive_int, "None or a positive int",
+        "Size limit of the persistent cache folder (its graphs and ahead-of-time artifacts, in bytes): a store that "
+        "would pass it first removes the least recently stored or loaded ones; an entry larger than the limit is "
+        "kept in memory only (None: no limit).", default_doc="2147483648 (2 GiB)",
+    ),
+    "cache_trust_foreign_owner": _Field(
+        False, _is_bool, "a bool",
+        "Read cache entries and artifacts owned by another user: a read-only cache shared on purpose (baked into "
+        "an image, on a shared volume). Without it such files are ignored with a warning, as ssh ignores an "
+        "authorized_keys file another user owns. Anything writable by group or others, and symbolic links below "
+        "the cache folder, are refused all the same; nothing is written into a folder another user owns. "
+        "Default: $MINDIESD_CACHE_TRUST_FOREIGN_OWNER=1.",
+        default_from=default_trust_foreign_owner, default_doc="$MINDIESD_CACHE_TRUST_FOREIGN_OWNER, else False",
     ),
 }
 

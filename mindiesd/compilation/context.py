@@ -57,15 +57,16 @@ class GraphContext:
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
         folder = config.cache_dir if cached else None
         why_not = _why_not_cached(example_inputs, training) if folder else None
-        key = None
+        key, cache = None, None
         if folder and why_not is None:
             settings = graph_cache.settings_for_key(config.to_dict())
             key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped)
+            cache = graph_cache.GraphCache(graph_cache.CacheFolder.of(config))
         return cls(
             n_inputs=len(example_inputs), weights=weights, adapters=_adapter_inputs(gm), device=device,
             training=training, freezing_enabled=config.enable_freezing,
             families=tuple(f for f in enabled if f not in skipped), skipped=MappingProxyType(skipped),
-            force=frozenset(force), cache=graph_cache.GraphCache(folder) if key is not None else None, key=key,
+            force=frozenset(force), cache=cache, key=key,
             uncached=f"not cached: {why_not}" if why_not else "off" if not folder else "",
         )
 
