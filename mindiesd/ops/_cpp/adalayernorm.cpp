@@ -46,13 +46,14 @@ inline std::pair<float, float> centered_sums(const float* p, int64_t width, cons
   return {horizontal_sum(sum0 + sum1), horizontal_sum((sq0 + sq1) + (sq2 + sq3))};
 }
 
-// kScalePlusOne: ``scale`` already holds 1 + scale (small modulations).
-template <typename TX, typename TP, typename TO, bool kScalePlusOne>
+// 1 + scale is formed in float32 in the loop: two vector adds per block cost less than a tensor of 1 + scale
+// made per call (an allocation and a kernel, which dominate at small sizes), and round the same.
+template <typename TX, typename TP, typename TO>
 void adalayernorm_kernel(
     const Tensor& x, const Tensor& scale, const Tensor& shift, Tensor& out, float eps) {
   const int64_t width = x.size(-1);
   const float inv_width = 1.0f / static_cast<float>(width);
-  const fVec one(kScalePlusOne ? 0.0f : 1.0f);
+  const fVec one(1.0f);
   // 16-bit rows are widened once into a float32 row buffer (L1-resident).
   constexpr bool kWiden = !std::is_same_v<TX, float>;
 
@@ -72,10 +73,8 @@ void adalayernorm_kernel(
       auto [a, b] = block.load(values);
       auto [s0, s1] = block.load(sr);
       const auto [h0, h1] = block.load(hr);
-      if constexpr (!kScalePlusOne) {
-        s0 = s0 + one;
-        s1 = s1 + one;
-      }
+      s0 = s0 + one;
+      s1 = s1 + one;
       a = at::vec::fmadd((a - mean) * rstd, s0, h0);
       b = at::vec::fmadd((b - mean) * rstd, s1, h1);
       block.store(outr, a, b);
@@ -95,23 +94,11 @@ std::optional<Tensor> adalayernorm(
   return row_op(x_in, out_dtype, [&](const Tensor& x, Tensor& out) {
     const int64_t width = x.size(-1);
     const ScalarType p_dtype = parameter_dtype(x.scalar_type(), x.numel(), {&scale_in, &shift_in});
-    // A small scale is turned into 1 + scale once, in float32.
-    const bool plus_one = p_dtype == ScalarType::Float && is_small_operand(scale_in, x.numel());
-    const Tensor scale = plus_one ? as_row_operand(scale_in.to(ScalarType::Float).add(1), x.sizes(), width, p_dtype)
-                                  : as_row_operand(scale_in, x.sizes(), width, p_dtype);
+    const Tensor scale = as_row_operand(scale_in, x.sizes(), width, p_dtype);
     const Tensor shift = as_row_operand(shift_in, x.sizes(), width, p_dtype);
     const float eps_f = static_cast<float>(eps);
     dispatch_row_types(x.scalar_type(), p_dtype, out_dtype, [&](auto x_tag, auto p_tag, auto o_tag) {
-      using TX = decltype(x_tag);
-      using TP = decltype(p_tag);
-      using TO = decltype(o_tag);
-      if constexpr (std::is_same_v<TP, float>) {
-        if (plus_one) {
-          adalayernorm_kernel<TX, TP, TO, true>(x, scale, shift, out, eps_f);
-          return;
-        }
-      }
-      adalayernorm_kernel<TX, TP, TO, false>(x, scale, shift, out, eps_f);
+      adalayernorm_kernel<decltype(x_tag), decltype(p_tag), decltype(o_tag)>(x, scale, shift, out, eps_f);
     });
   });
 }

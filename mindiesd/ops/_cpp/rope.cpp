@@ -328,15 +328,17 @@ std::optional<Tensor> norm_rope(
     return std::nullopt;
   }
   const float eps_f = static_cast<float>(eps);
-  // Each stream's slice of the output is contiguous once the dims before ``d`` are fixed.
+  // Each stream's slice of the output is contiguous once the dims before ``d`` are fixed; where they all have
+  // size 1 (batch 1, the usual case), it is the slice along ``d`` as it is, and no view per stream is made.
   int64_t outer = 1;
   for (int64_t k = 0; k < d; ++k) {
     outer *= sizes[k];
   }
-  std::vector<int64_t> index(static_cast<size_t>(d), 0);
+  const int64_t axis = outer == 1 ? d : 0;
+  std::vector<int64_t> index(static_cast<size_t>(outer == 1 ? 0 : d), 0);
   for (int64_t o = 0; o < outer; ++o) {
     int64_t rest = o;
-    for (int64_t k = d - 1; k >= 0; --k) {
+    for (int64_t k = static_cast<int64_t>(index.size()) - 1; k >= 0; --k) {
       index[k] = rest % sizes[k];
       rest /= sizes[k];
     }
@@ -352,9 +354,9 @@ std::optional<Tensor> norm_rope(
       }
       const Tensor x_full = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
       const Tensor x = select_leading(x_full, index);
-      Tensor out_i = out_o.narrow(0, offset, length);
-      const Tensor cos_i = cos_o.narrow(0, offset, length);
-      const Tensor sin_i = sin_o.narrow(0, offset, length);
+      Tensor out_i = out_o.narrow(axis, offset, length);
+      const Tensor cos_i = cos_o.narrow(axis, offset, length);
+      const Tensor sin_i = sin_o.narrow(axis, offset, length);
       offset += length;
       const std::optional<Tensor>& w = weights_in[i];
       const bool weighted = w.has_value() && w->defined();
