@@ -6,6 +6,9 @@ capture every call is a launch (or at least a trip through the dispatcher) from 
 * :func:`dedupe` computes once what the graph computes several times: each of Flux's blocks takes ``silu(temb)``
   again for its adaLN, and every q/k rotation unsqueezes the same rotary tables. Two calls of one pure op on the
   same arguments become one.
+* :func:`concatenate_first` computes once over a concatenation what was computed for each of its parts: Flux's
+  rotary tables take cos, repeat-interleave and cast each axis's angles and concatenate the results, where one
+  cos, one repeat and one cast of the concatenated angles give the same values in a third of the calls;
 * :func:`linear_calls` gives a linear layer back the one call it was before aot decomposed it: ``linear(x, w, b)``
   runs the same ``addmm`` on the same operands as ``view(addmm(b, view(x, [M, K]), t(w)), ...)``, with the views
   and the transpose made in C++ instead of three calls from the host;
@@ -20,14 +23,14 @@ traced layout, checked on the traced values (a node without one is left alone).
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
 
 from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
 
-__all__ = ["dedupe", "linear_calls", "collapse_views", "tidy"]
+__all__ = ["dedupe", "concatenate_first", "linear_calls", "collapse_views", "tidy"]
 
 aten = torch.ops.aten
 
@@ -41,10 +44,17 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 
 
 def tidy(graph: Graph) -> Dict[str, int]:
-    """:func:`dedupe`, :func:`linear_calls`, then :func:`collapse_views`; how many calls each removed."""
+    """:func:`dedupe`, :func:`concatenate_first` (then :func:`dedupe` again, for what it made the same),
+    :func:`linear_calls` and :func:`collapse_views`; how many calls each removed."""
+    steps = {"dedupe": 0, "concatenate_first": 0, "linear_calls": 0, "collapse_views": 0}
     if any(writes_in_place(node) for node in graph.nodes):
-        return {"dedupe": 0, "linear_calls": 0, "collapse_views": 0}
-    return {"dedupe": dedupe(graph), "linear_calls": linear_calls(graph), "collapse_views": collapse_views(graph)}
+        return steps
+    steps["dedupe"] = dedupe(graph)
+    steps["concatenate_first"] = concatenate_first(graph)
+    steps["dedupe"] += dedupe(graph)
+    steps["linear_calls"] = linear_calls(graph)
+    steps["collapse_views"] = collapse_views(graph)
+    return steps
 
 
 def _key(value: Any) -> Optional[Hashable]:
@@ -130,6 +140,121 @@ def collapse_views(graph: Graph) -> int:
             graph.erase_node(previous)
             previous = above
     return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+#: Elementwise ops of one tensor: applied to a concatenation, they give the concatenation of their results.
+_ELEMENTWISE = (aten.cos.default, aten.sin.default, aten.exp.default, aten.neg.default, aten.silu.default,
+                aten.sigmoid.default, aten.tanh.default, aten._to_copy.default)
+
+
+def concatenate_first(graph: Graph) -> int:
+    """``cat([f(x_1), ..., f(x_n)], d)`` becomes ``f(cat([x_1, ..., x_n], d))`` where ``f`` is one elementwise op
+    of one tensor (with the same keywords for every part) or the repeat-interleave along the last dim that aot
+    makes of ``repeat_interleave`` (``view(clone(expand(unsqueeze(x, -1), [..., r])), [..., D * r])``, then with
+    ``d`` the last dim), and nothing else reads the parts; repeated until nothing changes. Returns how many calls
+    went."""
+    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if is_call(node, aten.cat.default) and not node.kwargs and _concatenate_first(graph, node):
+                changed = True
+    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _concatenate_first(graph: Graph, cat: Node) -> bool:
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else 0
+    out = tensor_val(cat)
+    if not isinstance(parts, (list, tuple)) or len(parts) < 2 or out is None or not _static(out) \
+            or not all(isinstance(p, Node) and len(p.users) == 1 for p in parts):
+        return False
+    dim %= out.dim()
+    chains = [_elementwise(p) or _repeat_interleave(p, out.dim(), dim) for p in parts]
+    if any(c is None for c in chains) or len({c[0] for c in chains}) != 1:
+        return False
+    inputs = [c[1] for c in chains]
+    values = [tensor_val(x) for x in inputs]
+    if any(v is None or not _static(v) or v.dtype != values[0].dtype or v.device != values[0].device
+           for v in values):
+        return False
+    value_of = lambda n: n.meta["val"]  # noqa: E731
+    with graph.inserting_before(cat):
+        joined = graph.call_function(aten.cat.default, (list(inputs), dim))
+        joined.meta["val"] = fake_call(aten.cat.default, joined.args, {}, value_of)
+        result = joined
+        for target, args, kwargs in chains[0][2](joined):  # the parts' calls, on the concatenation
+            result = graph.call_function(target, (result, *args), kwargs)
+            result.meta["val"] = fake_call(target, result.args, kwargs, value_of)
+    if not same_layout(result.meta["val"], out):
+        created = [n for n in graph.nodes if n is joined or n in _chain_above(result, joined)]
+        for node in reversed(created):
+            graph.erase_node(node)
+        return False
+    cat.replace_all_uses_with(result)
+    graph.erase_node(cat)
+    for part in parts:
+        _erase_chain(graph, part, set(inputs))
+    return True
+
+
+def _chain_above(node: Node, stop: Node) -> List[Node]:
+    chain = []
+    while node is not stop:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
+def _erase_chain(graph: Graph, node: Node, keep: set) -> None:
+    while isinstance(node, Node) and node not in keep and node.op == "call_function" and not node.users:
+        above = node.args[0]
+        graph.erase_node(node)
+        node = above
+
+
+def _elementwise(part: Node):
+    """``(key, x, calls)`` where ``part`` is an elementwise op of one tensor ``x``; ``calls(y)`` lists the call
+    to make of the concatenation ``y``."""
+    if not is_call(part, *_ELEMENTWISE) or len(part.args) != 1:
+        return None
+    if part.target is aten._to_copy.default and set(part.kwargs) - {"dtype"}:
+        return None
+    kwargs = dict(part.kwargs)
+    return ((part.target, _key(tuple(sorted(kwargs.items())))), part.args[0], lambda y: [(part.target, (), kwargs)])
+
+
+def _repeat_interleave(part: Node, rank: int, dim: int):
+    """``(key, x, calls)`` where ``part`` is aot's repeat-interleave of ``x`` along its last dim and the parts are
+    joined along that dim."""
+    if dim != rank - 1 or not is_call(part, aten.view.default):
+        return None
+    clone = part.args[0]
+    if not is_call(clone, aten.clone.default) or set(clone.kwargs) - {"memory_format"} \
+            or clone.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
+        return None
+    expand = clone.args[0]
+    if not is_call(expand, aten.expand.default) or len(clone.users) != 1 or len(expand.users) != 1:
+        return None
+    unsqueeze = expand.args[0]
+    if not is_call(unsqueeze, aten.unsqueeze.default) or len(unsqueeze.users) != 1:
+        return None
+    x = tensor_val(unsqueeze.args[0])
+    if x is None or x.dim() != rank or unsqueeze.args[1] not in (rank, -1):
+        return None
+    shape = [int(s) for s in x.shape]
+    repeats = list(expand.args[1])[-1]
+    if list(expand.args[1]) != shape + [repeats] or list(part.args[1]) != shape[:-1] + [shape[-1] * repeats]:
+        return None
+
+    def calls(y: Node):
+        joined = [int(s) for s in y.meta["val"].shape]
+        return [(aten.unsqueeze.default, (rank,), {}), (aten.expand.default, (joined + [repeats],), {}),
+                (aten.clone.default, (), {"memory_format": torch.contiguous_format}),
+                (aten.view.default, (joined[:-1] + [joined[-1] * repeats],), {})]
+
+    return (("repeat_interleave", repeats), unsqueeze.args[0], calls)
 
 
 def _unchanged(view: Node) -> bool:

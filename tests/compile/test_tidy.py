@@ -113,3 +113,31 @@ def test_a_linear_layer_is_one_call_with_eager_bits():
     assert calls[aten.linear.default] == 2
     for a, e in zip(actual, expected):
         assert torch.equal(a, e) and a.stride() == e.stride()
+
+
+def test_flux_rotary_tables_take_one_cos_one_sin_and_equal_eager_bit_for_bit():
+    """diffusers' FluxPosEmbed: cos, repeat-interleave and cast per axis, then concatenated; compiled, one of each
+    on the concatenated angles, with exactly eager's values."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    embed = FluxPosEmbed(theta=10000, axes_dim=[4, 6, 6])
+    ids = torch.cat([torch.zeros(8, 3), torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0),
+                                                                   indexing="ij"), -1).reshape(-1, 3)])
+    actual, expected, _, backend = run_compiled(embed, ids, config=CompilationConfig(cache_dir=None))
+    calls = _calls(backend.graphs[0])
+    assert calls[aten.cos.default] == calls[aten.sin.default] == 1
+    assert calls[aten.clone.default] == calls[aten._to_copy.default] == 2
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e) and a.stride() == e.stride()
+
+
+def test_a_concatenation_of_parts_read_elsewhere_is_left_alone():
+    def fn(x, y):
+        a, b = torch.cos(x), torch.cos(y)
+        return torch.cat([a, b], -1), a * 2  # a is read again: the parts stay
+
+    x, y = _randn(3, 4, seed=7), _randn(3, 5, seed=8)
+    actual, expected, _, backend = run_compiled(fn, x, y, config=CompilationConfig(cache_dir=None))
+    assert _calls(backend.graphs[0])[aten.cos.default] == 2
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
