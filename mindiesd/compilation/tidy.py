@@ -12,6 +12,8 @@ capture every call is a launch (or at least a trip through the dispatcher) from 
 * :func:`linear_calls` gives a linear layer back the one call it was before aot decomposed it: ``linear(x, w, b)``
   runs the same ``addmm`` on the same operands as ``view(addmm(b, view(x, [M, K]), t(w)), ...)``, with the views
   and the transpose made in C++ instead of three calls from the host;
+* :func:`unsqueeze_first` unsqueezes a tensor once before splitting it where every piece was unsqueezed after:
+  adaLN's modulation, ``emb.chunk(6, dim=1)`` and then ``shift[:, None]`` for each of the six;
 * :func:`collapse_views` makes a chain of reshapes one view, and drops a view that changes nothing: a linear layer's ``view(addmm, [B, S, N])`` followed
   by the heads' ``view(., [B, S, H, D])`` is one view of the matmul's result.
 
@@ -30,7 +32,7 @@ from torch.fx import Graph, Node
 
 from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
 
-__all__ = ["dedupe", "concatenate_first", "linear_calls", "collapse_views", "tidy"]
+__all__ = ["dedupe", "concatenate_first", "linear_calls", "unsqueeze_first", "collapse_views", "tidy"]
 
 aten = torch.ops.aten
 
@@ -45,14 +47,15 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 
 def tidy(graph: Graph) -> Dict[str, int]:
     """:func:`dedupe`, :func:`concatenate_first` (then :func:`dedupe` again, for what it made the same),
-    :func:`linear_calls` and :func:`collapse_views`; how many calls each removed."""
-    steps = {"dedupe": 0, "concatenate_first": 0, "linear_calls": 0, "collapse_views": 0}
+    :func:`linear_calls`, :func:`unsqueeze_first` and :func:`collapse_views`; how many calls each removed."""
+    steps = {"dedupe": 0, "concatenate_first": 0, "linear_calls": 0, "unsqueeze_first": 0, "collapse_views": 0}
     if any(writes_in_place(node) for node in graph.nodes):
         return steps
     steps["dedupe"] = dedupe(graph)
     steps["concatenate_first"] = concatenate_first(graph)
     steps["dedupe"] += dedupe(graph)
     steps["linear_calls"] = linear_calls(graph)
+    steps["unsqueeze_first"] = unsqueeze_first(graph)
     steps["collapse_views"] = collapse_views(graph)
     return steps
 
@@ -135,6 +138,9 @@ def collapse_views(graph: Graph) -> int:
         view.meta = dict(node.meta, val=value)
         node.replace_all_uses_with(view)
         graph.erase_node(node)
+        if _unchanged(view):  # the chain came back to its base's shape
+            view.replace_all_uses_with(base)
+            graph.erase_node(view)
         while is_call(previous, *_RESHAPES) and not previous.users:
             above = previous.args[0]
             graph.erase_node(previous)
@@ -255,6 +261,67 @@ def _repeat_interleave(part: Node, rank: int, dim: int):
                 (aten.view.default, (joined[:-1] + [joined[-1] * repeats],), {})]
 
     return (("repeat_interleave", repeats), unsqueeze.args[0], calls)
+
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
+def unsqueeze_first(graph: Graph) -> int:
+    """``split(x, s, d)`` whose pieces are all read only through ``unsqueeze(piece, k)`` (one ``k``) becomes
+    ``split(unsqueeze(x, k), s, d')``, the pieces being those unsqueezed views (the same values, shapes and strides
+    but for dims of size 1, which address nothing). Returns how many calls went."""
+    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    for split in list(graph.nodes):
+        if not is_call(split, *_SPLITS) or split.kwargs or len(split.args) < 2:
+            continue
+        source, sizes = split.args[0], split.args[1]
+        x = tensor_val(source)
+        pieces = list(split.users)
+        if x is None or not _static(x) or not pieces or not all(p.target is operator.getitem for p in pieces):
+            continue
+        unsqueezes = [u for p in pieces for u in p.users]
+        if not unsqueezes or not all(is_call(u, aten.unsqueeze.default) and isinstance(u.args[1], int)
+                                     for u in unsqueezes):
+            continue
+        dims = {u.args[1] % (x.dim() + 1) for u in unsqueezes}
+        if len(dims) != 1:
+            continue
+        (k,) = dims
+        d = (split.args[2] if len(split.args) > 2 else 0) % x.dim()
+        value_of = lambda n: n.meta["val"]  # noqa: E731
+        with graph.inserting_before(split):
+            lifted = graph.call_function(aten.unsqueeze.default, (source, k))
+            lifted.meta["val"] = fake_call(aten.unsqueeze.default, lifted.args, {}, value_of)
+            resplit = graph.call_function(split.target, (lifted, sizes, d + 1 if k <= d else d))
+            resplit.meta["val"] = fake_call(split.target, resplit.args, {}, value_of)
+        new_pieces = {}
+        for piece in pieces:
+            with graph.inserting_before(split):
+                new_pieces[piece] = graph.call_function(operator.getitem, (resplit, piece.args[1]))
+            new_pieces[piece].meta["val"] = resplit.meta["val"][piece.args[1]]
+        if not all(_same_memory(new_pieces[u.args[0]].meta["val"], u.meta.get("val")) for u in unsqueezes):
+            for node in (*new_pieces.values(), resplit, lifted):
+                graph.erase_node(node)
+            continue
+        for unsqueeze in unsqueezes:
+            unsqueeze.replace_all_uses_with(new_pieces[unsqueeze.args[0]])
+            graph.erase_node(unsqueeze)
+        for piece in pieces:
+            graph.erase_node(piece)
+            if not new_pieces[piece].users:
+                graph.erase_node(new_pieces[piece])
+        graph.erase_node(split)
+    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Tensors of one dtype, device and shape that address the same elements: equal offsets and equal strides
+    in every dim of more than one element."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or not _static(a) or not _static(b):
+        return False
+    return (a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+            and a.storage_offset() == b.storage_offset()
+            and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1))
 
 
 def _unchanged(view: Node) -> bool:

@@ -49,6 +49,8 @@ def test_flux_takes_silu_of_the_embedding_once_and_reshapes_in_one_view(monkeypa
     # no reshape reads a reshape: the matmul's [B, S, N] and the heads' [B, S, H, D] are one view
     chained = [n for n in gm.graph.nodes if n.target in _RESHAPES and getattr(n.args[0], "target", None) in _RESHAPES]
     assert chained == []
+    # one unsqueeze per adaLN modulation split (9), not one per chunk (36)
+    assert before[aten.unsqueeze.default] > 40 and calls[aten.unsqueeze.default] < 15
     assert sum(calls.values()) < sum(before.values()) - 150
     # every linear layer is one linear call again (its views and transposed weight made inside it); none lost
     assert calls[aten.linear.default] == before[aten.addmm.default] == 60
@@ -141,3 +143,22 @@ def test_a_concatenation_of_parts_read_elsewhere_is_left_alone():
     assert _calls(backend.graphs[0])[aten.cos.default] == 2
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
+
+
+def test_a_modulation_is_unsqueezed_once_before_its_chunks():
+    """adaLN's ``emb.chunk(n, dim=1)`` then ``[:, None]`` of each chunk: one unsqueeze before the split; where a chunk
+    is also read as it is, every chunk keeps its own."""
+
+    def fn(x, emb):
+        shift, scale, gate = emb.chunk(3, dim=1)
+        return x * (1 + scale[:, None]) + shift[:, None] * gate[:, None]
+
+    def reads_a_chunk(x, emb):
+        shift, scale, gate = emb.chunk(3, dim=1)
+        return x * scale[:, None] + shift[:, None], gate
+
+    x, emb = _randn(2, 5, 8, seed=9), _randn(2, 24, seed=10)
+    for function, unsqueezes in ((fn, 1), (reads_a_chunk, 2)):
+        actual, expected, _, backend = run_compiled(function, x, emb, config=CompilationConfig(cache_dir=None))
+        assert _calls(backend.graphs[0])[aten.unsqueeze.default] == unsqueezes, function.__name__
+        assert_close(actual, expected)
