@@ -318,6 +318,8 @@ class AotForward:
         return run
 
     def _compile(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if _Serializable is object:
+            raise _NotStorable(f"torch {torch.__version__} has no ahead-of-time compilation (torch 2.11 and later)")
         # specialize_float: Python floats stay constants (the signature holds their values); tensorifying them
         # restarts Dynamo's analysis, which its ahead-of-time path does not do. torch.compile itself runs inside
         # the patch: before torch 2.13 it gives the compiled function its aot_compile only where it is enabled.
