@@ -318,11 +318,14 @@ class AotForward:
         return run
 
     def _compile(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        compiled = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic,
-                                 backend=_ArtifactBackend(self.backend), options={"guard_filter_fn": _guard_filter})
+        if _Serializable is object:
+            raise _NotStorable(f"torch {torch.__version__} has no ahead-of-time compilation (torch 2.11 and later)")
         # specialize_float: Python floats stay constants (the signature holds their values); tensorifying them
-        # restarts Dynamo's analysis, which its ahead-of-time path does not do
+        # restarts Dynamo's analysis, which its ahead-of-time path does not do. torch.compile itself runs inside
+        # the patch: before torch 2.13 it gives the compiled function its aot_compile only where it is enabled.
         with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True), self._plain_module():
+            compiled = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic,
+                                     backend=_ArtifactBackend(self.backend), options={"guard_filter_fn": _guard_filter})
             return compiled.aot_compile(((self.module, *args), kwargs))
 
     @contextlib.contextmanager

@@ -171,7 +171,9 @@ def register_device_kernel(name: str, device_type: str, kernel: Callable[..., to
             return slot[0](*args, **kwargs)
 
         dispatched.__name__ = dispatched.__qualname__ = f"{name}_{key}"
-        LIBRARY.impl(name, dispatched, key)
+        # allow_override: a fresh import of this module (its slots gone) replaces the kernel an earlier copy
+        # registered; torch 2.13 allows that by default, 2.11 only when asked
+        LIBRARY.impl(name, dispatched, key, allow_override=True)
         _SLOTS[(name, key)] = slot
     DEVICE_KERNELS.setdefault(device_type, {})[name] = kernel
 

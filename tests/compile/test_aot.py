@@ -227,6 +227,25 @@ def test_a_forward_with_graph_breaks_runs_through_torch_compile_with_one_warning
     assert graph_cache.artifact_files(str(tmp_path)) == []
 
 
+def test_a_torch_without_ahead_of_time_compilation_falls_back_to_torch_compile_with_one_warning(tmp_path,
+                                                                                               monkeypatch):
+    """Where torch lacks ahead-of-time compilation (torch._dynamo.aot_compile_types), the forward runs through
+    torch.compile, and one warning names the torch version."""
+    from mindiesd.compilation import aot
+
+    monkeypatch.setattr(aot, "_Serializable", object)
+    model = aot_compile(_NormLinear().eval(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
+    x = torch.randn(2, 5, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _run_plain(model, x)
+        _run_plain(model, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, MindieSDCacheWarning)]
+    assert len(messages) == 1 and f"torch {torch.__version__} has no ahead-of-time compilation" in messages[0]
+    torch.testing.assert_close(out, _NormLinear.forward(model, x))
+    assert graph_cache.artifact_files(str(tmp_path)) == []
+
+
 def _run_plain(model, x):
     with torch.no_grad():
         return model(x)

@@ -298,9 +298,16 @@ def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
     assert_close(out.detach(), ref.detach())
     assert set(grads) == {"norm.weight", "q_norm.weight", "up.weight", "up.bias", "proj.weight", "proj.bias"}
     for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=_grad_atol(p.grad),
+                                   msg=lambda m, name=name: f"{name}: {m}")
     if input_grad:
-        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-4, atol=_grad_atol(x_eager.grad))
+
+
+def _grad_atol(grad: torch.Tensor) -> float:
+    """1e-5 of the gradient's largest entry (at least 1e-5): an fp32 gradient summed over rows is off by rounding
+    in proportion to its scale (with the model's unseeded weights, up to 7.6e-5 where the largest entry is 76)."""
+    return 1e-5 * max(1.0, grad.abs().max().item())
 
 
 # ---------------------------------------------------------------------------------------------- observability

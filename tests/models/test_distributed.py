@@ -116,6 +116,14 @@ def _waited(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' ``[B, S/world, D]`` shards joined along the sequence: gathered along dim 0, then concatenated,
+    since torch 2.11's Dynamo cannot trace a functional all-gather along another dim (it skips the function
+    that regroups the shards)."""
+    gathered = _waited(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    return torch.cat(gathered.chunk(dist.get_world_size(group)), dim=1)
+
+
 def _attention_with_lse(q, k, v):
     """Attention over ``[B, S, H, D]`` tensors and its log-sum-exp ``[B, S, H, 1]``, written out."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -213,7 +221,7 @@ class DiTBlock(torch.nn.Module):
         x = x + gate * self.proj(attn.flatten(2))
         x = x + self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
         if self.cp:
-            x = _waited(funcol.all_gather_tensor(x.contiguous(), 1, group))
+            x = gather_sequence(x, group)
         return x
 
 
