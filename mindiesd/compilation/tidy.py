@@ -6,6 +6,8 @@ capture every call is a launch (or at least a trip through the dispatcher) from 
 * :func:`dedupe` computes once what the graph computes several times: each of Flux's blocks takes ``silu(temb)``
   again for its adaLN, and every q/k rotation unsqueezes the same rotary tables. Two calls of one pure op on the
   same arguments become one.
+* :func:`identities` drops what gives its input back: a product with the number 1, and a concatenation of
+  slices of a concatenation that only reorders its parts (a sinusoidal embedding's ``flip_sin_to_cos``);
 * :func:`concatenate_first` computes once over a concatenation what was computed for each of its parts: Flux's
   rotary tables take cos, repeat-interleave and cast each axis's angles and concatenate the results, where one
   cos, one repeat and one cast of the concatenated angles give the same values in a third of the calls;
@@ -32,7 +34,7 @@ from torch.fx import Graph, Node
 
 from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
 
-__all__ = ["dedupe", "concatenate_first", "linear_calls", "unsqueeze_first", "collapse_views", "tidy"]
+__all__ = ["dedupe", "identities", "concatenate_first", "linear_calls", "unsqueeze_first", "collapse_views", "tidy"]
 
 aten = torch.ops.aten
 
@@ -46,12 +48,15 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 
 
 def tidy(graph: Graph) -> Dict[str, int]:
-    """:func:`dedupe`, :func:`concatenate_first` (then :func:`dedupe` again, for what it made the same),
+    """:func:`dedupe`, :func:`identities`, :func:`concatenate_first` (then :func:`dedupe` again, for what it made
+    the same),
     :func:`linear_calls`, :func:`unsqueeze_first` and :func:`collapse_views`; how many calls each removed."""
-    steps = {"dedupe": 0, "concatenate_first": 0, "linear_calls": 0, "unsqueeze_first": 0, "collapse_views": 0}
+    steps = {"dedupe": 0, "identities": 0, "concatenate_first": 0, "linear_calls": 0, "unsqueeze_first": 0,
+             "collapse_views": 0}
     if any(writes_in_place(node) for node in graph.nodes):
         return steps
     steps["dedupe"] = dedupe(graph)
+    steps["identities"] = identities(graph)
     steps["concatenate_first"] = concatenate_first(graph)
     steps["dedupe"] += dedupe(graph)
     steps["linear_calls"] = linear_calls(graph)
@@ -146,6 +151,67 @@ def collapse_views(graph: Graph) -> int:
             graph.erase_node(previous)
             previous = above
     return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def identities(graph: Graph) -> int:
+    """``x * 1`` and ``x / 1`` (of x's dtype) become ``x``; ``cat`` of slices of ``cat(parts, d)`` along ``d`` that
+    each span whole parts becomes ``cat`` of those parts. Returns how many calls went."""
+    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    for node in list(graph.nodes):
+        if is_call(node, aten.mul.Tensor, aten.div.Tensor):  # x itself: never as an output of its own
+            replacement = None if any(u.op == "output" for u in node.users) else _times_one(node)
+        else:
+            replacement = _reordered_parts(graph, node) if is_call(node, aten.cat.default) else None
+        if replacement is None:
+            continue
+        node.replace_all_uses_with(replacement)
+        _erase_chain(graph, node, set())
+    for node in reversed(list(graph.nodes)):  # the slices and concatenations nothing reads now
+        if is_call(node, aten.slice.Tensor, aten.cat.default) and not node.users:
+            graph.erase_node(node)
+    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _times_one(node: Node) -> Optional[Node]:
+    x = node.args[0] if len(node.args) == 2 and not node.kwargs else None
+    if not isinstance(x, Node) or type(node.args[1]) not in (int, float) or node.args[1] != 1:
+        return None
+    return x if same_layout(tensor_val(x), tensor_val(node)) else None
+
+
+def _reordered_parts(graph: Graph, node: Node) -> Optional[Node]:
+    """``cat(parts', d)`` in place of ``node``, a ``cat`` along ``d`` of slices that each span whole parts of one
+    ``cat(parts, d)``; None where ``node`` is not that."""
+    slices, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    out = tensor_val(node)
+    if node.kwargs or not isinstance(slices, (list, tuple)) or out is None or not _static(out) \
+            or not all(is_call(p, aten.slice.Tensor) for p in slices):
+        return None
+    dim %= out.dim()
+    inner = slices[0].args[0]
+    if not is_call(inner, aten.cat.default) or inner.kwargs:
+        return None
+    parts = inner.args[0]
+    inner_dim = (inner.args[1] if len(inner.args) > 1 else 0) % out.dim()
+    sizes = [tensor_val(p).shape[dim] if tensor_val(p) is not None else None for p in parts]
+    if inner_dim != dim or any(type(size) is not int for size in sizes):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(parts) + 1)]
+    picked: List[Node] = []
+    for piece in slices:
+        source, piece_dim, start, end, step = (list(piece.args) + [0, None, None, 1][len(piece.args) - 1:])[:5]
+        end = starts[-1] if end is None else min(end, starts[-1])
+        if source is not inner or piece_dim % out.dim() != dim or step != 1 or start not in starts \
+                or end not in starts or end <= start:
+            return None
+        picked.extend(parts[starts.index(start):starts.index(end)])
+    with graph.inserting_before(node):
+        joined = graph.call_function(aten.cat.default, (picked, dim))
+    joined.meta["val"] = fake_call(aten.cat.default, joined.args, {}, lambda n: n.meta["val"])
+    if not same_layout(joined.meta["val"], out):
+        graph.erase_node(joined)
+        return None
+    return joined
 
 
 #: Elementwise ops of one tensor: applied to a concatenation, they give the concatenation of their results.

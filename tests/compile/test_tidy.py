@@ -162,3 +162,26 @@ def test_a_modulation_is_unsqueezed_once_before_its_chunks():
         actual, expected, _, backend = run_compiled(function, x, emb, config=CompilationConfig(cache_dir=None))
         assert _calls(backend.graphs[0])[aten.unsqueeze.default] == unsqueezes, function.__name__
         assert_close(actual, expected)
+
+
+def test_a_flipped_sinusoidal_embedding_concatenates_once_and_a_product_with_one_goes():
+    """diffusers' Timesteps(flip_sin_to_cos=True): cat([sin, cos]) then its halves swapped is cat([cos, sin]); its
+    ``* scale`` with scale 1 is the tensor itself. Bit for bit eager's."""
+    from diffusers.models.embeddings import Timesteps
+
+    embed = Timesteps(64, flip_sin_to_cos=True, downscale_freq_shift=0)
+    t = torch.tensor([0.5, 10.0]) * 1000
+    actual, expected, _, backend = run_compiled(embed, t, config=CompilationConfig(cache_dir=None))
+    calls = _calls(backend.graphs[0])
+    assert calls[aten.cat.default] == 1 and calls[aten.slice.Tensor] == 0
+    assert torch.equal(actual, expected)
+
+    def scaled(x):
+        return torch.sin(x * 1 / 1) + 1, (x.long() * 1.0)  # the last changes the dtype: it stays
+
+    x = _randn(4, seed=11)
+    actual, expected, _, backend = run_compiled(scaled, x, config=CompilationConfig(cache_dir=None))
+    calls = _calls(backend.graphs[0])
+    assert calls[aten.mul.Tensor] == 1 and calls[aten.div.Tensor] == 0
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e) and a.dtype == e.dtype
