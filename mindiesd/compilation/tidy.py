@@ -16,10 +16,10 @@ capture every call is a launch (or at least a trip through the dispatcher) from 
   and the transpose made in C++ instead of three calls from the host;
 * :func:`unsqueeze_first` unsqueezes a tensor once before splitting it where every piece was unsqueezed after:
   adaLN's modulation, ``emb.chunk(6, dim=1)`` and then ``shift[:, None]`` for each of the six;
-* :func:`collapse_views` makes a chain of reshapes one view, and drops a view that changes nothing: a linear layer's ``view(addmm, [B, S, N])`` followed
-  by the heads' ``view(., [B, S, H, D])`` is one view of the matmul's result.
+* :func:`collapse_views` makes a chain of reshapes one view, and drops a view that changes nothing: a linear
+  layer's ``[B, S, N]`` view followed by the heads' ``[B, S, H, D]`` view is one view of the matmul's result.
 
-Both keep the invariants of ``passes/README.md``: nothing that writes in place is touched (nor anything at all in
+Each keeps the invariants of ``passes/README.md``: nothing that writes in place is touched (nor anything at all in
 a graph that writes in place), the graph's inputs and outputs stay, and a replacement has the replaced node's
 traced layout, checked on the traced values (a node without one is left alone).
 """
@@ -48,9 +48,8 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 
 
 def tidy(graph: Graph) -> Dict[str, int]:
-    """:func:`dedupe`, :func:`identities`, :func:`concatenate_first` (then :func:`dedupe` again, for what it made
-    the same),
-    :func:`linear_calls`, :func:`unsqueeze_first` and :func:`collapse_views`; how many calls each removed."""
+    """Every step in turn (:func:`dedupe` again after :func:`concatenate_first`, which makes calls the same); how
+    many calls each removed."""
     steps = {"dedupe": 0, "identities": 0, "concatenate_first": 0, "linear_calls": 0, "unsqueeze_first": 0,
              "collapse_views": 0}
     if any(writes_in_place(node) for node in graph.nodes):
@@ -63,6 +62,14 @@ def tidy(graph: Graph) -> Dict[str, int]:
     steps["unsqueeze_first"] = unsqueeze_first(graph)
     steps["collapse_views"] = collapse_views(graph)
     return steps
+
+
+def _count(graph: Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _traced(node: Node) -> Any:
+    return node.meta["val"]
 
 
 def _key(value: Any) -> Optional[Hashable]:
@@ -116,7 +123,7 @@ def dedupe(graph: Graph) -> int:
 def collapse_views(graph: Graph) -> int:
     """Each reshape of a reshape becomes one view of the first one's input, where that view has the traced shape
     and strides; the reshapes in between go when nothing else reads them. Returns how many calls went."""
-    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    before = _count(graph)
     for node in list(graph.nodes):
         if is_call(node, *_RESHAPES) and _unchanged(node):
             node.replace_all_uses_with(node.args[0])
@@ -132,7 +139,7 @@ def collapse_views(graph: Graph) -> int:
             continue
         shape = [int(s) for s in out.shape]
         try:
-            value = fake_call(aten.view.default, (base, shape), {}, lambda n: n.meta["val"])
+            value = fake_call(aten.view.default, (base, shape), {}, _traced)
         except Exception:  # noqa: BLE001  (not a view of the base: leave the chain)
             continue
         if not same_layout(value, out) or value.storage_offset() != out.storage_offset():
@@ -150,13 +157,13 @@ def collapse_views(graph: Graph) -> int:
             above = previous.args[0]
             graph.erase_node(previous)
             previous = above
-    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+    return before - _count(graph)
 
 
 def identities(graph: Graph) -> int:
     """``x * 1`` and ``x / 1`` (of x's dtype) become ``x``; ``cat`` of slices of ``cat(parts, d)`` along ``d`` that
     each span whole parts becomes ``cat`` of those parts. Returns how many calls went."""
-    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    before = _count(graph)
     for node in list(graph.nodes):
         if is_call(node, aten.mul.Tensor, aten.div.Tensor):  # x itself: never as an output of its own
             replacement = None if any(u.op == "output" for u in node.users) else _times_one(node)
@@ -169,7 +176,7 @@ def identities(graph: Graph) -> int:
     for node in reversed(list(graph.nodes)):  # the slices and concatenations nothing reads now
         if is_call(node, aten.slice.Tensor, aten.cat.default) and not node.users:
             graph.erase_node(node)
-    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+    return before - _count(graph)
 
 
 def _times_one(node: Node) -> Optional[Node]:
@@ -207,7 +214,7 @@ def _reordered_parts(graph: Graph, node: Node) -> Optional[Node]:
         picked.extend(parts[starts.index(start):starts.index(end)])
     with graph.inserting_before(node):
         joined = graph.call_function(aten.cat.default, (picked, dim))
-    joined.meta["val"] = fake_call(aten.cat.default, joined.args, {}, lambda n: n.meta["val"])
+    joined.meta["val"] = fake_call(aten.cat.default, joined.args, {}, _traced)
     if not same_layout(joined.meta["val"], out):
         graph.erase_node(joined)
         return None
@@ -225,14 +232,14 @@ def concatenate_first(graph: Graph) -> int:
     makes of ``repeat_interleave`` (``view(clone(expand(unsqueeze(x, -1), [..., r])), [..., D * r])``, then with
     ``d`` the last dim), and nothing else reads the parts; repeated until nothing changes. Returns how many calls
     went."""
-    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    before = _count(graph)
     changed = True
     while changed:
         changed = False
         for node in list(graph.nodes):
             if is_call(node, aten.cat.default) and not node.kwargs and _concatenate_first(graph, node):
                 changed = True
-    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+    return before - _count(graph)
 
 
 def _concatenate_first(graph: Graph, cat: Node) -> bool:
@@ -251,17 +258,15 @@ def _concatenate_first(graph: Graph, cat: Node) -> bool:
     if any(v is None or not _static(v) or v.dtype != values[0].dtype or v.device != values[0].device
            for v in values):
         return False
-    value_of = lambda n: n.meta["val"]  # noqa: E731
     with graph.inserting_before(cat):
         joined = graph.call_function(aten.cat.default, (list(inputs), dim))
-        joined.meta["val"] = fake_call(aten.cat.default, joined.args, {}, value_of)
+        joined.meta["val"] = fake_call(aten.cat.default, joined.args, {}, _traced)
         result = joined
         for target, args, kwargs in chains[0][2](joined):  # the parts' calls, on the concatenation
             result = graph.call_function(target, (result, *args), kwargs)
-            result.meta["val"] = fake_call(target, result.args, kwargs, value_of)
+            result.meta["val"] = fake_call(target, result.args, kwargs, _traced)
     if not same_layout(result.meta["val"], out):
-        created = [n for n in graph.nodes if n is joined or n in _chain_above(result, joined)]
-        for node in reversed(created):
+        for node in [*_chain_above(result, joined), joined]:  # the last made first: each has no reader left
             graph.erase_node(node)
         return False
     cat.replace_all_uses_with(result)
@@ -272,6 +277,7 @@ def _concatenate_first(graph: Graph, cat: Node) -> bool:
 
 
 def _chain_above(node: Node, stop: Node) -> List[Node]:
+    """``node`` and the first inputs above it, up to ``stop`` (left out)."""
     chain = []
     while node is not stop:
         chain.append(node)
@@ -279,7 +285,8 @@ def _chain_above(node: Node, stop: Node) -> List[Node]:
     return chain
 
 
-def _erase_chain(graph: Graph, node: Node, keep: set) -> None:
+def _erase_chain(graph: Graph, node: Any, keep: set) -> None:
+    """Erase ``node`` and the first inputs above it while nothing reads them (and they are not in ``keep``)."""
     while isinstance(node, Node) and node not in keep and node.op == "call_function" and not node.users:
         above = node.args[0]
         graph.erase_node(node)
@@ -313,7 +320,7 @@ def _repeat_interleave(part: Node, rank: int, dim: int):
     if not is_call(unsqueeze, aten.unsqueeze.default) or len(unsqueeze.users) != 1:
         return None
     x = tensor_val(unsqueeze.args[0])
-    if x is None or x.dim() != rank or unsqueeze.args[1] not in (rank, -1):
+    if x is None or not _static(x) or x.dim() != rank or unsqueeze.args[1] not in (rank, -1):
         return None
     shape = [int(s) for s in x.shape]
     repeats = list(expand.args[1])[-1]
@@ -336,7 +343,7 @@ def unsqueeze_first(graph: Graph) -> int:
     """``split(x, s, d)`` whose pieces are all read only through ``unsqueeze(piece, k)`` (one ``k``) becomes
     ``split(unsqueeze(x, k), s, d')``, the pieces being those unsqueezed views (the same values, shapes and strides
     but for dims of size 1, which address nothing). Returns how many calls went."""
-    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    before = _count(graph)
     for split in list(graph.nodes):
         if not is_call(split, *_SPLITS) or split.kwargs or len(split.args) < 2:
             continue
@@ -354,12 +361,11 @@ def unsqueeze_first(graph: Graph) -> int:
             continue
         (k,) = dims
         d = (split.args[2] if len(split.args) > 2 else 0) % x.dim()
-        value_of = lambda n: n.meta["val"]  # noqa: E731
         with graph.inserting_before(split):
             lifted = graph.call_function(aten.unsqueeze.default, (source, k))
-            lifted.meta["val"] = fake_call(aten.unsqueeze.default, lifted.args, {}, value_of)
+            lifted.meta["val"] = fake_call(aten.unsqueeze.default, lifted.args, {}, _traced)
             resplit = graph.call_function(split.target, (lifted, sizes, d + 1 if k <= d else d))
-            resplit.meta["val"] = fake_call(split.target, resplit.args, {}, value_of)
+            resplit.meta["val"] = fake_call(split.target, resplit.args, {}, _traced)
         new_pieces = {}
         for piece in pieces:
             with graph.inserting_before(split):
@@ -377,7 +383,7 @@ def unsqueeze_first(graph: Graph) -> int:
             if not new_pieces[piece].users:
                 graph.erase_node(new_pieces[piece])
         graph.erase_node(split)
-    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+    return before - _count(graph)
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -402,7 +408,7 @@ def linear_calls(graph: Graph) -> int:
     """Each ``addmm(b, x2, t(w))`` of a 1-D bias, where ``x2`` is 2-D or the row view ``view(x, [M, K])`` of a
     contiguous 3-D ``x``, becomes ``linear(x, w, b)`` (then viewed as ``[M, N]`` for the 3-D ``x``): ATen's linear
     computes exactly that addmm for these inputs. Returns how many calls went."""
-    before = sum(1 for n in graph.nodes if n.op == "call_function")
+    before = _count(graph)
     for node in list(graph.nodes):
         if not is_call(node, aten.addmm.default) or node.kwargs or len(node.args) != 3:
             continue
@@ -420,11 +426,11 @@ def linear_calls(graph: Graph) -> int:
             continue
         with graph.inserting_before(node):
             linear = graph.call_function(aten.linear.default, (source, weight, bias))
-            linear.meta["val"] = fake_call(aten.linear.default, (source, weight, bias), {}, lambda n: n.meta["val"])
+            linear.meta["val"] = fake_call(aten.linear.default, (source, weight, bias), {}, _traced)
             result = linear
             if source is not rows:
                 result = graph.call_function(aten.view.default, (linear, [int(s) for s in out.shape]))
-                result.meta["val"] = fake_call(aten.view.default, result.args, {}, lambda n: n.meta["val"])
+                result.meta["val"] = fake_call(aten.view.default, result.args, {}, _traced)
         if not same_layout(result.meta["val"], out):
             for created in (result, linear) if result is not linear else (linear,):
                 graph.erase_node(created)
@@ -434,7 +440,7 @@ def linear_calls(graph: Graph) -> int:
         for leftover in (transposed, rows):
             if leftover is not source and isinstance(leftover, Node) and not leftover.users:
                 graph.erase_node(leftover)
-    return before - sum(1 for n in graph.nodes if n.op == "call_function")
+    return before - _count(graph)
 
 
 def _is_row_view(view: Node) -> bool:
