@@ -66,6 +66,17 @@ def assert_close(actual: Any, expected: Any, dtype: Optional[torch.dtype] = None
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
+class AddsTable(torch.nn.Module):
+    """x + a buffer of ``size`` values: a graph whose stored entry grows with ``size``."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("table", torch.full((size,), float(size)))
+
+    def forward(self, x):
+        return x + self.table
+
+
 class WeightedBlock(torch.nn.Module):
     """RMSNorm, Linear, tanh-GELU and a table derived from a buffer alone (which freezing folds)."""
 

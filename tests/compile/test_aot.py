@@ -211,16 +211,22 @@ class _Breaks(torch.nn.Module):
         return self.norm(y) * 2
 
 
-def test_a_forward_with_graph_breaks_runs_through_torch_compile_with_one_warning(tmp_path):
-    model = aot_compile(_Breaks(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
-    x = torch.randn(2, 8, 16)
+def _run_twice(model, x):
+    """The first output of two calls, and the cache and fallback warnings they gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = _run_plain(model, x)
         _run_plain(model, x)
     messages = [str(w.message) for w in caught if issubclass(w.category, MindieSDCacheWarning)]
+    return out, messages, [w for w in caught if issubclass(w.category, MindieSDFallbackWarning)]
+
+
+def test_a_forward_with_graph_breaks_runs_through_torch_compile_with_one_warning(tmp_path):
+    model = aot_compile(_Breaks(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
+    x = torch.randn(2, 8, 16)
+    out, messages, fallbacks = _run_twice(model, x)
     assert len(messages) == 1 and "torch.compile" in messages[0], messages
-    assert not [w for w in caught if issubclass(w.category, MindieSDFallbackWarning)]
+    assert not fallbacks
     torch.testing.assert_close(out, _Breaks.forward(model, x))
     (outcome,) = model.forward.outcomes.values()
     assert outcome.startswith("torch.compile:")
@@ -236,11 +242,7 @@ def test_a_torch_without_ahead_of_time_compilation_falls_back_to_torch_compile_w
     monkeypatch.setattr(aot, "_Serializable", object)
     model = aot_compile(_NormLinear().eval(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
     x = torch.randn(2, 5, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = _run_plain(model, x)
-        _run_plain(model, x)
-    messages = [str(w.message) for w in caught if issubclass(w.category, MindieSDCacheWarning)]
+    out, messages, _ = _run_twice(model, x)
     assert len(messages) == 1 and f"torch {torch.__version__} has no ahead-of-time compilation" in messages[0]
     torch.testing.assert_close(out, _NormLinear.forward(model, x))
     assert graph_cache.artifact_files(str(tmp_path)) == []

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion_utils import WeightedBlock, assert_close, count_fused
+from fusion_utils import AddsTable, WeightedBlock, assert_close, count_fused
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
 from mindiesd.compilation import cache as graph_cache
 from mindiesd.compilation import config as config_module
@@ -207,17 +207,8 @@ def test_an_unwritable_folder_warns_and_compiles(tmp_path, block):
         assert_close(out, model(x))
 
 
-class _AddsTable(torch.nn.Module):
-    def __init__(self, size: int):
-        super().__init__()
-        self.register_buffer("table", torch.full((size,), float(size)))
-
-    def forward(self, x):
-        return x + self.table
-
-
 def _store_many(root: str, key: str, n: int, payload_size: int) -> None:
-    gm = torch.fx.symbolic_trace(_AddsTable(payload_size))  # the graph reads the table: it is stored with it
+    gm = torch.fx.symbolic_trace(AddsTable(payload_size))  # the graph reads the table: it is stored with it
     for _ in range(n):
         GraphCache(root).store(key, graph_cache.CachedGraph(main=gm, nodes_after=payload_size))
 

@@ -14,24 +14,15 @@ import warnings
 import pytest
 import torch
 
-from fusion_utils import WeightedBlock, assert_close
+from fusion_utils import AddsTable, WeightedBlock, assert_close
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDCacheWarning, aot_compile
 from mindiesd.compilation import cache as graph_cache
 from mindiesd.compilation.cache import CacheFolder, GraphCache
 
 
-class _AddsTable(torch.nn.Module):
-    def __init__(self, size: int):
-        super().__init__()
-        self.register_buffer("table", torch.full((size,), float(size)))
-
-    def forward(self, x):
-        return x + self.table
-
-
 def _entry(size: int) -> graph_cache.CachedGraph:
     """An entry of about ``4 * size`` bytes (the graph reads a table of ``size`` floats, stored with it)."""
-    return graph_cache.CachedGraph(main=torch.fx.symbolic_trace(_AddsTable(size)), nodes_after=size)
+    return graph_cache.CachedGraph(main=torch.fx.symbolic_trace(AddsTable(size)), nodes_after=size)
 
 
 def _key(i: int, prefix: str = "") -> str:
