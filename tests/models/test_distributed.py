@@ -93,7 +93,12 @@ def _fallbacks(caught) -> list:
 
 
 def _first(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
+    """The model's first output, waited for: diffusers gathers the output with a functional all-gather that torch
+    2.13 leaves pending (an ``AsyncCollectiveTensor``) until the values are read. A pipeline reads them at once; a
+    test that kept one pending through another forward (run under the profiler) saw the wait crash in torch on a
+    loaded machine, so each forward's output is waited for here, as a pipeline's step would."""
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _profiled_fused_calls(fn):
