@@ -11,6 +11,8 @@ capture every call is a launch (or at least a trip through the dispatcher) from 
 * :func:`concatenate_first` computes once over a concatenation what was computed for each of its parts: Flux's
   rotary tables take cos, repeat-interleave and cast each axis's angles and concatenate the results, where one
   cos, one repeat and one cast of the concatenated angles give the same values in a third of the calls;
+* :func:`pair_tables` hands a rotation the per-pair table where it read one repeated for both elements of each
+  pair: Flux's ``repeat_interleave(cos, 2)`` (an expand, a copy and views) is not run, and its cast casts half;
 * :func:`linear_calls` gives a linear layer back the one call it was before aot decomposed it: ``linear(x, w, b)``
   runs the same ``addmm`` on the same operands as ``view(addmm(b, view(x, [M, K]), t(w)), ...)``, with the views
   and the transpose made in C++ instead of three calls from the host;
@@ -34,7 +36,7 @@ from torch.fx import Graph, Node
 
 from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
 
-__all__ = ["dedupe", "identities", "concatenate_first", "linear_calls", "unsqueeze_first", "collapse_views", "tidy"]
+__all__ = ["dedupe", "identities", "concatenate_first", "pair_tables", "linear_calls", "unsqueeze_first", "collapse_views", "tidy"]
 
 aten = torch.ops.aten
 
@@ -50,7 +52,7 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 def tidy(graph: Graph) -> Dict[str, int]:
     """Every step in turn (:func:`dedupe` again after :func:`concatenate_first`, which makes calls the same); how
     many calls each removed."""
-    steps = {"dedupe": 0, "identities": 0, "concatenate_first": 0, "linear_calls": 0, "unsqueeze_first": 0,
+    steps = {"dedupe": 0, "identities": 0, "concatenate_first": 0, "pair_tables": 0, "linear_calls": 0, "unsqueeze_first": 0,
              "collapse_views": 0}
     if any(writes_in_place(node) for node in graph.nodes):
         return steps
@@ -58,6 +60,7 @@ def tidy(graph: Graph) -> Dict[str, int]:
     steps["identities"] = identities(graph)
     steps["concatenate_first"] = concatenate_first(graph)
     steps["dedupe"] += dedupe(graph)
+    steps["pair_tables"] = pair_tables(graph)
     steps["linear_calls"] = linear_calls(graph)
     steps["unsqueeze_first"] = unsqueeze_first(graph)
     steps["collapse_views"] = collapse_views(graph)
@@ -249,6 +252,8 @@ def _concatenate_first(graph: Graph, cat: Node) -> bool:
     if not isinstance(parts, (list, tuple)) or len(parts) < 2 or out is None or not _static(out) \
             or not all(isinstance(p, Node) and len(p.users) == 1 for p in parts):
         return False
+    if len(set(parts)) < len(parts):  # a part repeated: f runs once on it already (and a pair table stays one)
+        return False
     dim %= out.dim()
     chains = [_elementwise(p) or _repeat_interleave(p, out.dim(), dim) for p in parts]
     if any(c is None for c in chains) or len({c[0] for c in chains}) != 1:
@@ -334,6 +339,142 @@ def _repeat_interleave(part: Node, rank: int, dim: int):
                 (aten.view.default, (joined[:-1] + [joined[-1] * repeats],), {})]
 
     return (("repeat_interleave", repeats), unsqueeze.args[0], calls)
+
+
+def pair_tables(graph: Graph) -> int:
+    """A rotary table that repeats each value for both elements of its pair (``repeat_interleave(t, 2, -1)`` for an
+    interleaved rotation, ``cat([t, t], -1)`` for a rotation of halves), read (through casts and views that keep
+    its last dim) only as ``cos``/``sin`` by ``mindiesd.rope``/``norm_rope`` calls of that form whose other table
+    is one too, is passed as ``t``: the ops take a per-pair table, so the repeat (an ``expand``, a ``clone`` and
+    views) is never run and the casts cast half the values. Returns how many calls went."""
+    before = _count(graph)
+    plans = []  # found on the graph as it was, then made: a consumer's other table is checked before it changes
+    for node in list(graph.nodes):
+        half = _per_pair(node)
+        if half is None or not _static_val(node):
+            continue
+        tables: List[Node] = []
+        leaves: List[Tuple[Node, int]] = []
+        if _table_uses(node, half[1], tables, leaves):
+            plans.append((node, half, tables, leaves))
+    while True:  # a rotation's two tables change together or not at all (a kernel reads both in one form)
+        changing = {table for node, _, tables, _ in plans for table in (node, *tables)}
+        kept = [plan for plan in plans if all(_other_table(consumer, index) in changing
+                                              for consumer, index in plan[3])]
+        if len(kept) == len(plans):
+            break
+        plans = kept
+    for node, half, tables, leaves in plans:
+        made: Dict[Node, Node] = {node: half[0]}
+        width = int(tensor_val(half[0]).shape[-1])
+        for table in tables:  # parents before children
+            source = made[table.args[0]]
+            with graph.inserting_before(table):
+                if is_call(table, aten._to_copy.default):
+                    copy = graph.call_function(aten._to_copy.default, (source,), dict(table.kwargs))
+                else:
+                    shape = [int(n) for n in tensor_val(table).shape]
+                    copy = graph.call_function(aten.view.default, (source, shape[:-1] + [width]))
+            copy.meta = dict(table.meta, val=fake_call(copy.target, copy.args, copy.kwargs, _traced))
+            made[table] = copy
+        for consumer, index in leaves:
+            args = list(consumer.args)
+            args[index] = made[args[index]]
+            consumer.args = tuple(args)
+        for table in reversed([node, *tables]):
+            if not table.users and not getattr(table, "_erased", False):
+                _erase_chain(graph, table, {half[0]})
+    return before - _count(graph)
+
+
+#: The ops that take per-pair rotary tables: (op, index of cos, of sin, of interleaved).
+_ROPE_TABLES = {"rope": (1, 2, 3), "norm_rope": (6, 7, 8)}
+
+
+def _rope_tables(node: Node) -> Optional[Tuple[int, int, bool]]:
+    """``(cos index, sin index, interleaved)`` of a ``mindiesd.rope``/``norm_rope`` call; None for other nodes."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+            or target.namespace != "mindiesd" or set(node.kwargs) - {"out_dtype"}:
+        return None
+    indices = _ROPE_TABLES.get(target._schema.name.split("::")[-1])
+    if indices is None or len(node.args) <= indices[2] or not isinstance(node.args[indices[2]], bool):
+        return None
+    return indices[0], indices[1], node.args[indices[2]]
+
+
+def _other_table(consumer: Node, index: int) -> Any:
+    """The rotation's other table: its ``sin`` for ``cos`` and the reverse."""
+    cos, sin, _ = _rope_tables(consumer)
+    return consumer.args[sin if index == cos else cos]
+
+
+def _per_pair(node: Node) -> Optional[Tuple[Node, bool]]:
+    """``(t, interleaved)`` where ``node`` repeats each value of ``t`` for both elements of a pair along the last
+    dim: aot's ``repeat_interleave(t, 2, -1)`` (interleaved pairs) or ``cat([t, t], -1)`` (halves)."""
+    value = tensor_val(node)
+    if value is None or value.dim() < 1:
+        return None
+    if is_call(node, aten.cat.default) and not node.kwargs:
+        parts, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        if isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is parts[1] \
+                and isinstance(parts[0], Node) and dim % value.dim() == value.dim() - 1:
+            return parts[0], False
+        return None
+    repeat = _repeat_interleave(node, value.dim(), value.dim() - 1)
+    if repeat is None or repeat[0] != ("repeat_interleave", 2):
+        return None
+    return repeat[1], True
+
+
+def _table_uses(node: Node, interleaved: bool, tables: List[Node], leaves: List[Tuple[Node, int]]) -> bool:
+    """Whether every reader of the pair-repeated table ``node`` is a cast or a view that keeps the last dim
+    (collected into ``tables``, readers before their own readers) leading only to ``cos``/``sin`` arguments of
+    rope calls of the ``interleaved`` form whose other table is pair-repeated too (into ``leaves``)."""
+    for user in node.users:
+        if user.op == "output":
+            return False
+        indices = _rope_tables(user)
+        if indices is not None:
+            cos, sin, form = indices
+            if form != interleaved:
+                return False
+            positions = [i for i, a in enumerate(user.args) if a is node]
+            if not positions or any(i not in (cos, sin) for i in positions):
+                return False
+            other = user.args[sin] if positions == [cos] else user.args[cos] if positions == [sin] else None
+            if other is not None and _pair_source(other, interleaved) is None:
+                return False
+            leaves.extend((user, i) for i in positions)
+            continue
+        value, parent = tensor_val(user), tensor_val(node)
+        if value is None or parent is None or not _static(value) or user.args[0] is not node:
+            return False
+        if is_call(user, aten._to_copy.default) and len(user.args) == 1 and set(user.kwargs) <= {"dtype"}:
+            pass
+        elif not (is_call(user, *_RESHAPES) and value.shape[-1] == parent.shape[-1] and parent.is_contiguous()):
+            return False
+        tables.append(user)
+        if not _table_uses(user, interleaved, tables, leaves):
+            return False
+    return True
+
+
+def _pair_source(node: Any, interleaved: bool) -> Optional[Node]:
+    """The pair-repeated table that ``node`` casts or views (keeping the last dim), or None."""
+    while isinstance(node, Node):
+        half = _per_pair(node)
+        if half is not None:
+            return node if half[1] == interleaved else None
+        if not is_call(node, aten._to_copy.default, *_RESHAPES):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _static_val(node: Node) -> bool:
+    value = tensor_val(node)
+    return value is not None and _static(value)
 
 
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)

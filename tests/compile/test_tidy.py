@@ -52,8 +52,11 @@ def test_flux_takes_silu_of_the_embedding_once_and_reshapes_in_one_view(monkeypa
     # one unsqueeze per adaLN modulation split (9), not one per chunk (36)
     assert before[aten.unsqueeze.default] > 40 and calls[aten.unsqueeze.default] < 15
     assert sum(calls.values()) < sum(before.values()) - 150
-    # every linear layer is one linear call again (its views and transposed weight made inside it); none lost
-    assert calls[aten.linear.default] == before[aten.addmm.default] == 60
+    # every linear layer is one linear call again (its views and transposed weight made inside it); none lost:
+    # 60 linear layers, of which the 4 single blocks' proj_out are cat_linear calls (which have no addmm left)
+    cat_linear = torch.ops.mindiesd.cat_linear.default
+    assert calls[cat_linear] == before[cat_linear] == 4
+    assert calls[aten.linear.default] == before[aten.addmm.default] == 60 - 4
     assert calls[aten.addmm.default] == calls[aten.t.default] == 0
 
 
@@ -185,3 +188,62 @@ def test_a_flipped_sinusoidal_embedding_concatenates_once_and_a_product_with_one
     assert calls[aten.mul.Tensor] == 1 and calls[aten.div.Tensor] == 0
     for a, e in zip(actual, expected):
         assert torch.equal(a, e) and a.dtype == e.dtype
+
+
+def _rotations(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "mindiesd"
+            and n.target._schema.name in ("mindiesd::rope", "mindiesd::norm_rope")]
+
+
+def _tables(node):
+    first = 6 if node.target._schema.name == "mindiesd::norm_rope" else 1
+    return node.args[first].meta["val"], node.args[first + 1].meta["val"]
+
+
+def test_flux_rotations_read_per_pair_tables_and_repeat_nothing(monkeypatch):
+    """Flux's tables are repeat-interleaved per pair for an interleaved rotation: the compiled graph hands
+    norm_rope the per-pair tables, so no repeat (clone) runs and the casts cast half the values."""
+    actual, expected, gm = _compile_flux(monkeypatch, tidy_on=True)
+    assert_close(actual, expected)
+    _, _, untidy = _compile_flux(monkeypatch, tidy_on=False)
+    calls, before = _calls(gm), _calls(untidy)
+    assert before[aten.clone.default] >= 2 and calls[aten.clone.default] == 0
+    rotations = _rotations(gm)
+    assert len(rotations) == 12  # q and k of 2 double and 4 single blocks
+    for node in rotations:
+        head_dim, (cos, sin) = node.args[5], _tables(node)
+        assert cos.shape[-1] == sin.shape[-1] == head_dim // 2 and cos.dtype == torch.float32
+    casts = [n for n in gm.graph.nodes if n.target is aten._to_copy.default]
+    assert len(casts) == 2 and all(n.meta["val"].shape[-1] == 8 for n in casts)  # Flux host: head_dim 16
+
+
+def _halves_rotation(x, w, angles):
+    """RMSNorm, then diffusers' rotation of halves with tables made full width by ``cat([t, t], -1)``."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([angles.sin(), angles.sin()], -1)
+    normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)
+    return apply_rotary_emb(normed, (cos, sin), use_real_unbind_dim=-2)
+
+
+def test_a_rotation_of_halves_reads_the_half_table():
+    x, w, angles = _randn(1, 2, 6, 16, seed=11), _randn(16, seed=12), _randn(6, 8, seed=13)
+    actual, expected, counts, backend = run_compiled(_halves_rotation, x, w, angles,
+                                                     config=CompilationConfig(cache_dir=None))
+    assert counts["norm_rope"] + counts["rope"] >= 1
+    rotations = _rotations(backend.graphs[0])
+    assert rotations and all(t.shape[-1] == 8 for n in rotations for t in _tables(n)), [t.shape for n in rotations for t in _tables(n)]  # 8 pairs
+    assert _calls(backend.graphs[0])[aten.cat.default] == 0
+    assert_close(actual, expected)
+
+
+def test_a_repeated_table_read_elsewhere_is_left_alone():
+    def fn(x, w, angles):
+        cos = torch.cat([angles.cos(), angles.cos()], -1)
+        return _halves_rotation(x, w, angles), cos * 2  # the full table is read again: it stays
+
+    x, w, angles = _randn(1, 2, 6, 16, seed=14), _randn(16, seed=15), _randn(6, 8, seed=16)
+    actual, expected, _, backend = run_compiled(fn, x, w, angles, config=CompilationConfig(cache_dir=None))
+    rotations = _rotations(backend.graphs[0])
+    assert rotations and all(t.shape[-1] == 16 for n in rotations for t in _tables(n))
+    assert_close(actual, expected)
