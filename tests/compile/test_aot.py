@@ -78,7 +78,8 @@ def test_a_second_process_loads_the_artifact_without_tracing(name, tmp_path):
     assert first["outcomes"] == ["stored"] and first["frames"] == 1
     assert second["outcomes"] == ["loaded"] and second["frames"] == 0, "the second process traced the model"
     for run in (first, second):
-        assert run["fused"] == {k: v for k, v in run["expected"].items() if k in SPEC_FAMILIES}, run
+        fused = {k: v for k, v in run["fused"].items() if k in SPEC_FAMILIES}  # cat_linear apart (fp32 only)
+        assert fused == {k: v for k, v in run["expected"].items() if k in SPEC_FAMILIES}, run
         assert run["error"] <= 1e-5
     torch.testing.assert_close(torch.load(tmp_path / "second.pt"), torch.load(tmp_path / "first.pt"), rtol=0, atol=0)
     assert len(graph_cache.artifact_files(str(tmp_path / "cache"))) == 1

@@ -32,7 +32,7 @@ from op_checks import DTYPES, assert_matches, randn  # noqa: E402
 
 OPS = torch.ops.mindiesd
 WIDTHS = [40, 96, 1000]
-OP_NAMES = ["rms_norm", "rope", "adalayernorm", "glu", "fast_gelu", "mul_add"]
+OP_NAMES = ["rms_norm", "rope", "adalayernorm", "glu", "fast_gelu", "mul_add", "linear_gelu", "cat_linear"]
 
 #: Why this process runs without the C++ kernels by request (``MINDIESD_CPP_KERNELS=0``), or None.
 DISABLED_REASON = (
@@ -386,6 +386,56 @@ def test_fast_gelu_strided_and_extreme_values(cpp, dtype):
     check(cpp, "fast_gelu", (x[:, ::3],), dtype)
     edges = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5.0, -5.0, 12.0, -12.0, 60.0, -60.0, 1e4, -1e4])
     check(cpp, "fast_gelu", (edges.to(dtype),), dtype)
+
+
+# ----------------------------------------------------------------------------
+# linear_gelu and cat_linear (GEMM ops: ATen's GEMMs, one call from the host)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_shape", [(7, 40), (2, 5, 40), (0, 40)])
+def test_linear_gelu(cpp, dtype, bias, x_shape):
+    x, w = randn(*x_shape, dtype=dtype), randn(24, 40, dtype=dtype, seed=1) * 0.3
+    b = randn(24, dtype=dtype, seed=2) if bias else None
+    out = check(cpp, "linear_gelu", (x, w, b), dtype)
+    # the GEMM rounded to x's dtype, then the GELU: eager's two ops
+    assert_matches(out, F.gelu(F.linear(x, w, b).float(), approximate="tanh"), dtype)
+
+
+def test_linear_gelu_forms_it_does_not_cover(cpp):
+    x, w = randn(3, 8), randn(4, 8, seed=1)
+    assert cpp.linear_gelu(x.double(), w.double(), None) is None  # float64: the composition
+    assert cpp.linear_gelu(x, w.bfloat16(), None) is None  # mixed dtypes
+    assert cpp.linear_gelu(x, randn(4, 9), None) is None  # not a linear layer of x
+    with pytest.raises(ValueError, match="do not make a linear layer"):
+        OPS.linear_gelu.default(x, randn(4, 9), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("widths", [(40, 24), (8, 16, 24)])
+def test_cat_linear(cpp, dtype, bias, widths):
+    xs = [randn(2, 5, k, dtype=dtype, seed=i) for i, k in enumerate(widths)]
+    w = randn(12, sum(widths), dtype=dtype, seed=7)
+    b = randn(12, dtype=dtype, seed=8) if bias else None
+    out = check(cpp, "cat_linear", (xs, w, b), dtype)
+    assert_matches(out, F.linear(torch.cat(xs, -1), w, b), dtype)
+
+
+def test_cat_linear_strided_inputs_and_weight(cpp):
+    attn = randn(5, 2, 32).transpose(0, 1)  # a permuted attention output
+    mlp = randn(2, 5, 48, seed=1)[..., :40]
+    w = randn(72, 12, seed=2).t()  # a transposed weight: column blocks of a row-major [72, 12]
+    check(cpp, "cat_linear", ([attn, mlp], w, randn(12, seed=3)), torch.float32)
+
+
+def test_cat_linear_16_bit_forms_are_left_to_the_composition(cpp):
+    # one GEMM over the concatenation rounds once, as eager; two accumulated GEMMs would round twice
+    xs, w = [randn(3, 8, dtype=torch.bfloat16), randn(3, 4, dtype=torch.bfloat16, seed=1)], randn(5, 12, seed=2)
+    check(cpp, "cat_linear", (xs, w.bfloat16(), None), torch.bfloat16, covered=False)
+    assert cpp.cat_linear([xs[0].float(), xs[1]], w, None) is None  # mixed dtypes
 
 
 # ----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 // fast_gelu: tanh-approximated GELU, elementwise (a flat loop over contiguous
-// input, a TensorIterator otherwise).
+// input, a TensorIterator otherwise); linear_gelu: ATen's linear layer, then
+// that loop in place over its (new, contiguous) output.
 
 #include "common.h"
 
 #include <ATen/native/TensorIterator.h>
+#include <ATen/ops/linear.h>
 #include <ATen/native/cpu/Loops.h>
 
 namespace mindiesd_cpu {
@@ -60,6 +62,26 @@ std::optional<Tensor> fast_gelu(const Tensor& x) {
   }
   auto iter = at::TensorIteratorConfig().add_output(out).add_const_input(x).build();
   dispatch_float(x.scalar_type(), [&](auto tag) { gelu_loop<decltype(tag)>(iter); });
+  return out;
+}
+
+std::optional<Tensor> linear_gelu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  const bool biased = bias.has_value() && bias->defined();
+  if (!on_cpu(x) || !on_cpu(weight) || !is_covered_float(x.scalar_type()) || x.dim() < 1 || weight.dim() != 2 ||
+      weight.scalar_type() != x.scalar_type() || x.size(-1) != weight.size(1) ||
+      (biased && !(on_cpu(*bias) && bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
+                   bias->size(0) == weight.size(0)))) {
+    return std::nullopt;
+  }
+  at::NoGradGuard no_grad;
+  // The GEMM rounded to x's dtype, as eager's linear; its output is new, so the GELU overwrites it.
+  Tensor out = at::linear(x, weight, biased ? *bias : Tensor());
+  if (!out.is_contiguous()) {
+    out = out.contiguous();
+  }
+  if (out.numel() > 0) {
+    dispatch_float(out.scalar_type(), [&](auto tag) { gelu_contiguous<decltype(tag)>(out, out); });
+  }
   return out;
 }
 

@@ -1,6 +1,7 @@
 // Entry points of the single-pass CPU kernels (one source per op: rms_norm.cpp,
-// adalayernorm.cpp, rope.cpp, glu.cpp, fast_gelu.cpp, mul_add.cpp; the build and
-// streaming settings in common.cpp; helpers shared by them in common.h).
+// adalayernorm.cpp, rope.cpp, glu.cpp, fast_gelu.cpp (linear_gelu too),
+// mul_add.cpp, cat_linear.cpp; the build and streaming settings in common.cpp;
+// helpers shared by them in common.h).
 //
 // Each returns a new contiguous output, or std::nullopt when it does not
 // cover the form of its inputs (the caller then uses another kernel).
@@ -32,6 +33,10 @@ std::optional<at::Tensor> norm_rope(
 std::optional<at::Tensor> glu(
     const at::Tensor& x, const std::optional<at::Tensor>& y, const std::string& activation, bool gate_first);
 std::optional<at::Tensor> fast_gelu(const at::Tensor& x);
+std::optional<at::Tensor> cat_linear(
+    const std::vector<at::Tensor>& xs, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+std::optional<at::Tensor> linear_gelu(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::optional<at::Tensor> mul_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z);
 
 // ATen CPU capability the kernels were compiled for, e.g. "AVX512+BF16".

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .. import registry
-from . import cpp_build, cpu
+from . import cpp_build, cpu, gemm  # noqa: F401  (gemm registers linear_gelu's composition kernel first)
 from .cpp_build import (  # noqa: F401  (the build's public names, as before the split)
     CACHE_ENV,
     ENABLE_ENV,
@@ -40,7 +40,7 @@ from .cpp_build import (  # noqa: F401  (the build's public names, as before the
     enabled,
     extension,
 )
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, CAT_LINEAR, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
@@ -90,7 +90,11 @@ def native(
     kernel.__signature__ = signature
     KERNELS[op.name] = kernel
     cpp_build.SELF_CHECKS[op.name] = (op, sample, rules is not None)
-    registry.declare_kernel(op, "cpu", kernel, note="C++ kernel, or an aten composition")
+    declared = op.kernels.get("cpu")  # a composition kernel declared off (not faster) stays off, with its reason
+    if declared is not None and not declared.fast:
+        registry.declare_kernel(op, "cpu", kernel, fast=False, note=declared.note)
+    else:
+        registry.declare_kernel(op, "cpu", kernel, note="C++ kernel, or an aten composition")
     return kernel
 
 
@@ -101,6 +105,9 @@ norm_rope = native(NORM_ROPE, lambda t: ([t.x, t.x[:1]], 0, [t.w, None], 1e-6, N
 adalayernorm = native(ADALAYERNORM, lambda t: (t.x, t.scale, t.shift, 1e-6))
 glu = native(GLU, lambda t: (t.x, None, "gelu", True))
 fast_gelu = native(FAST_GELU, lambda t: (t.x,))
+linear_gelu = native(LINEAR_GELU, lambda t: (t.x, t.scale.reshape(3, 40), t.w[:3]))
+# x [3, 2, 40] beside its first 10 columns, through a [3, 50] weight
+cat_linear = native(CAT_LINEAR, lambda t: ([t.x, t.x[..., :10]], t.scale.reshape(3, 40).repeat(1, 2)[:, :50], t.w[:3]))
 # The composition kernel explains shapes that do not broadcast.
 mul_add = native(MUL_ADD, lambda t: (t.x, t.scale, t.w), fallible=(RuntimeError,))
 

@@ -9,7 +9,9 @@ bias ``[M]`` or None, and returns a contiguous ``[..., M]``.
 * CUDA: ``torch._addmm_activation(..., use_gelu=True)``, cuBLASLt's GELU epilogue. Which GELU an epilogue
   computes is the library's choice, so the kernel checks it once per device and dtype against the tanh-GELU of
   the reference and, where they differ, computes the GEMM and the GELU as two ops (still correct, not faster).
-* CPU: oneDNN's linear with a tanh-GELU post-op (fp32, where oneDNN is built in), else the two ops.
+* CPU: the C++ kernel (``cpp.py``): ATen's linear, then the fast_gelu loop in place over its output, in one call
+  from the host (oneDNN's tanh-GELU post-op was measured slower than the GEMM + that loop); without the C++
+  kernels, the two ops.
 
 cat_linear takes ``(xs, weight, bias)``: the first input's product with its block of weight columns (plus the
 bias) makes the output, and each further input's product is accumulated into it in place (``addmm_``, the GEMM's
@@ -41,7 +43,6 @@ CUDA_KERNELS: dict = {}
 
 #: (device, dtype) -> whether torch._addmm_activation's GELU epilogue is tanh-GELU there.
 _EPILOGUE_OK: Dict[Tuple[str, torch.dtype], bool] = {}
-_ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
 def _two_ops(x2d: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -85,14 +86,12 @@ def linear_gelu_cuda(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.
 
 
 @cpu_kernel(LINEAR_GELU, fast=False,
-            note="oneDNN's tanh-GELU post-op, slower than the GEMM + the fast_gelu kernel here (measured)")
+            note="the GEMM and the fast_gelu loop in place over its output in one call (C++, cpp.py), the same work "
+                 "as the GEMM + the fast_gelu kernel; off unless forced, so that every GELU after a linear layer "
+                 "stays with the specification's fast_gelu family")
 def linear_gelu_cpu(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     linear_gelu_rules(x, weight, bias)
-    x2d = _rows(x)
-    if _ONEDNN is not None and x.dtype == torch.float32 and x2d.is_contiguous() and weight.is_contiguous():
-        out = _ONEDNN(x2d, weight, bias, "gelu", [], "tanh")
-    else:
-        out = _two_ops(x2d, weight, bias)
+    out = _two_ops(_rows(x), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -118,9 +117,8 @@ def cat_linear_cuda(xs, weight: torch.Tensor, bias=None) -> torch.Tensor:
     return _accumulated(xs, weight, bias)
 
 
-@cpu_kernel(CAT_LINEAR, fast=False,
-            note="GEMMs accumulated in place: 1.02-1.05x the concatenation and one GEMM in fp32 at 1024-4608 "
-                 "rows, slower below 64 rows (measured)")
+@cpu_kernel(CAT_LINEAR, note="GEMMs accumulated in place (the C++ kernel of cpp.py, one call from the host): "
+                              "1.02-1.05x the concatenation and one GEMM in fp32 at 1024-4608 rows (measured)")
 def cat_linear_cpu(xs, weight: torch.Tensor, bias=None) -> torch.Tensor:
     cat_linear_rules(xs, weight, bias)
     return _accumulated(xs, weight, bias)
