@@ -105,11 +105,13 @@ def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional[
 
     fold_graph = Graph()
     env: Dict[Node, Node] = {}
-    fold_inputs = [i for i, p in enumerate(inputs) if p in static]
+    needed = _ancestors(frontier)
+    # Only the weights the folded values are computed from: each is checked on every call (folded_for), and a
+    # value computed from none (Flux's rotary and timestep frequencies) is valid for every weight set.
+    fold_inputs = [i for i, p in enumerate(inputs) if p in static and p in needed]
     for i in fold_inputs:
         env[inputs[i]] = fold_graph.placeholder(inputs[i].name)
         env[inputs[i]].meta = dict(inputs[i].meta)
-    needed = _ancestors(frontier)
     for node in gm.graph.nodes:
         if node in needed and node.op == "call_function":
             env[node] = fold_graph.node_copy(node, lambda n: env[n])

@@ -55,6 +55,24 @@ def test_merged_projections_are_folded_by_freezing():
     assert frozen is not None and frozen.concatenations, "the concatenated weight is one of the folded values"
 
 
+def test_the_fold_graph_takes_only_the_weights_its_values_are_computed_from():
+    """Each fold input is checked on every call; a value folded from no weight (Flux's frequencies) needs none."""
+    def fn(x, w1, w2, w3):
+        freqs = torch.exp(torch.arange(4, dtype=torch.float32) * -0.5)  # from no weight
+        return x @ (w2 * 2.0).t() + x @ w1.t() + w3 + freqs
+
+    gm = traced(fn, torch.randn(3, 4), torch.randn(4, 4), torch.randn(4, 4), torch.randn(4))
+    frozen = split_constants(gm, [1, 2, 3])
+    assert frozen is not None and frozen.n_folded == 2  # w2 * 2.0 and the frequencies
+    assert frozen.fold_inputs == [2], "only w2 feeds a folded value"
+    assert len(placeholders(frozen.fold.graph)) == 1
+    x, w1, w2, w3 = torch.randn(3, 4), torch.randn(4, 4), torch.randn(4, 4), torch.randn(4)
+    run = frozen.bind(frozen.main)
+    torch.testing.assert_close(run(x, w1, w2, w3), fn(x, w1, w2, w3))
+    w2.mul_(3.0)  # an in-place change of the weight that is folded refolds
+    torch.testing.assert_close(run(x, w1, w2, w3), fn(x, w1, w2, w3))
+
+
 def test_projections_of_weights_freezing_would_not_fold_are_not_merged():
     gm = traced(_projections(lambda w: w.expand(2048, 1024)), torch.randn(3, 1024),
                 *(torch.randn(1, 1024) for _ in range(3)))
