@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 import pathlib
 import shutil
 import subprocess
@@ -576,6 +577,58 @@ def test_failed_build_warns_once_and_uses_compositions(monkeypatch, tmp_path, re
     torch.testing.assert_close(gelu, reference.fast_gelu(x))
     assert _cpp_kernels.cpu_kernel_implementation().startswith("composition (build failed")
     assert ops.build_cpu_kernels() is False
+
+
+def _planted_build(monkeypatch, tmp_path, mode):
+    """A cached-build folder under a cache root of ``mode`` holding a ready marker and a module file (not a real
+    extension); returns the imports attempted and the compile calls made from now on."""
+    root = tmp_path / "cpp-cache"
+    name, _ = _cpp_build.build_name()
+    build = root / name
+    build.mkdir(parents=True)
+    (build / _cpp_build._READY_MARKER).write_text("planted\n")
+    (build / f"{name}.so").write_bytes(b"\x7fELF planted")
+    root.chmod(mode)
+    monkeypatch.setenv(_cpp_kernels.CACHE_ENV, str(root))
+    monkeypatch.setattr(_cpp_build, "PREBUILT_DIR", tmp_path / "no-prebuilt-kernels")
+    imports, compiles = [], []
+
+    def record_import(module_name, path):
+        imports.append(Path(path))
+        raise ImportError("not a real extension")
+
+    def record_compile(module_name, flags, directory):
+        compiles.append(directory)
+        raise RuntimeError("no build in this test")
+
+    monkeypatch.setattr(_cpp_build, "_import_extension", record_import)
+    monkeypatch.setattr(_cpp_build, "_compile", record_compile)
+    _cpp_build._reset()
+    return imports, compiles
+
+
+@requires_enabled
+def test_a_build_folder_others_can_write_is_never_imported_or_built_into(monkeypatch, tmp_path, restore_loader):
+    imports, compiles = _planted_build(monkeypatch, tmp_path, 0o777)
+    x = randn(2, 5, 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = OPS.fast_gelu.default(x)
+    assert imports == [] and compiles == [], "a module others could have written was imported or built over"
+    messages = [str(w.message) for w in caught if "C++ CPU kernels" in str(w.message)]
+    assert len(messages) == 1 and "not trusted" in messages[0] and "writable by" in messages[0], messages
+    torch.testing.assert_close(out, reference.fast_gelu(x))  # the composition kernel
+    assert _cpp_kernels.cpu_kernel_implementation().startswith("composition")
+
+
+@requires_enabled
+def test_an_own_build_folder_is_imported(monkeypatch, tmp_path, restore_loader):
+    imports, compiles = _planted_build(monkeypatch, tmp_path, 0o700)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        OPS.fast_gelu.default(randn(2, 5, 40))
+    name, _ = _cpp_build.build_name()
+    assert imports[:1] == [tmp_path / "cpp-cache" / name / f"{name}.so"]
 
 
 @requires_enabled

@@ -194,6 +194,32 @@ def _import_extension(name: str, path: Path) -> ModuleType:
     return module
 
 
+def untrusted_build_folder(directory: Path) -> str | None:
+    """Why the cached build ``directory`` (under :func:`cache_root`) must not be loaded from or built into, or None.
+
+    Importing a built module runs its code, so a module someone else could have written is never imported: the
+    cache root, the build folder and every file in it must be owned by this user (or root; another owner where
+    ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` trusts it) and writable by nobody else, with no symbolic link below
+    the root: the check the graph cache makes before it unpickles an entry (``compilation.cache``)."""
+    from ...compilation.cache import untrusted_reason
+    from ...compilation.config import default_trust_foreign_owner
+
+    root = cache_root()
+    trust = default_trust_foreign_owner()
+    if not root.exists():
+        return None  # made by this user on the first build
+    paths = [root]
+    if directory.exists() or directory.is_symlink():
+        paths.append(directory)
+        if directory.is_dir() and not directory.is_symlink():
+            paths.extend(sorted(directory.iterdir()))
+    for path in paths:
+        reason = untrusted_reason(path, root, trust)
+        if reason is not None:
+            return reason
+    return None
+
+
 def _import_built(name: str, directory: Path) -> ModuleType | None:
     """Import an already-built extension from ``directory``, or None."""
     if name in sys.modules:
@@ -282,7 +308,7 @@ def _compile(name: str, flags: list[str], directory: Path) -> ModuleType:
     """Build the extension into ``directory`` and import it (raises on failure)."""
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     module = cpp_extension.load(
         name=name,
         sources=[str(SOURCE_DIR / file) for file in SOURCES],
@@ -365,6 +391,10 @@ def _load(build: bool = True) -> ModuleType | None:
     try:
         name, flags = build_name()
         directory = cache_root() / name
+        untrusted = untrusted_build_folder(directory)
+        if untrusted is not None:
+            raise RuntimeError(f"the cached builds' folder is not trusted: {untrusted}; nothing is loaded from it "
+                               f"or built into it (set {CACHE_ENV} to a folder of your own)")
         module = None
         try:
             module = _import_built(name, directory)
