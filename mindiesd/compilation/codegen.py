@@ -82,11 +82,16 @@ def _plan(name: str, out: torch.Tensor) -> Optional[Tuple[Optional[Tuple[int, ..
 
 def traced_facts(gm: GraphModule) -> Dict[str, Fact]:
     """The fused-op nodes of ``gm`` (by name) whose traced values allow the straight call: static shapes, a CPU
-    output in a layout the kernel gives without a copy. Stored with a cached graph, whose loaded nodes carry no
-    traced values."""
+    output in a layout the kernel gives without a copy; and the linear layers on the CPU (the C++ entry of
+    ``_cpp/linear.cpp``). Stored with a cached graph, whose loaded nodes carry no traced values."""
     facts: Dict[str, Fact] = {}
     for node in gm.graph.nodes:
         target = node.target
+        if target is torch.ops.aten.linear.default:
+            out = node.meta.get("val")  # any shapes: the entry reads them at run time
+            if isinstance(out, torch.Tensor) and out.device.type == "cpu":
+                facts[node.name] = (out.dtype, None)
+            continue
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or target.namespace != "mindiesd":
             continue
@@ -146,6 +151,12 @@ def _direct_plan(node: Node, fact: Fact) -> Optional[_Direct]:
     if order is not None and not all(kind == "arg" for kind, _ in picks):
         return None
     return _Direct(name, tuple(picks), out_dtype if takes_dtype else None, order)
+
+
+def _cpp_enabled() -> bool:
+    from mindiesd.ops.kernels import cpp_build
+
+    return cpp_build.enabled()
 
 
 def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
@@ -314,6 +325,18 @@ class _Source:
         if target is operator.getitem and len(node.args) == 2 and not node.kwargs:
             return [f"{out} = {args[0]}[{args[1]}]"]
         fact = self.facts.get(node.name)
+        if target is torch.ops.aten.linear.default and fact is not None and not node.kwargs \
+                and 2 <= len(node.args) <= 3 and _cpp_enabled():
+            self.direct += 1
+            values = args if len(args) == 3 else [*args, "None"]
+            return [  # the C++ entry declines what it does not cover (see _cpp/linear.cpp): torch's linear runs
+                "try:",
+                f"    {out} = {self.entry('linear')}({', '.join(values)})",
+                "except Exception:",
+                f"    {out} = None",
+                f"if {out} is None:",
+                f"    {out} = {self.bind(binding(target), 'b')}({', '.join(args)})",
+            ]
         plan = _direct_plan(node, fact) if fact is not None else None
         if plan is not None:
             self.direct += 1

@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from ..ops.trust import TRUST_ENV_VAR  # noqa: F401  (public here too)
+from ..ops.trust import trust_foreign_owner_from_env as default_trust_foreign_owner
 from .families import FAMILIES
 
 __all__ = [
@@ -69,14 +71,6 @@ def default_cache_dir() -> Optional[str]:
 #: graph entry 1.9 MB, so it holds some 160 such resolutions; without a limit the folder only grows, since every
 #: new version, setting or resolution adds entries and nothing removes the old ones.
 DEFAULT_CACHE_MAX_BYTES = 2 * 2**30
-
-#: Environment variable: ``1`` (or ``true``) reads cache files owned by another user (``cache_trust_foreign_owner``).
-TRUST_ENV_VAR = "MINDIESD_CACHE_TRUST_FOREIGN_OWNER"
-
-
-def default_trust_foreign_owner() -> bool:
-    """Whether ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` asks to read a cache owned by another user."""
-    return os.environ.get(TRUST_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)

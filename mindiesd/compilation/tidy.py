@@ -36,7 +36,8 @@ from torch.fx import Graph, Node
 
 from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
 
-__all__ = ["dedupe", "identities", "concatenate_first", "pair_tables", "linear_calls", "unsqueeze_first", "collapse_views", "tidy"]
+__all__ = ["dedupe", "identities", "concatenate_first", "pair_tables", "linear_calls", "unsqueeze_first",
+           "collapse_views", "tidy"]
 
 aten = torch.ops.aten
 
@@ -52,8 +53,8 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty
 def tidy(graph: Graph) -> Dict[str, int]:
     """Every step in turn (:func:`dedupe` again after :func:`concatenate_first`, which makes calls the same); how
     many calls each removed."""
-    steps = {"dedupe": 0, "identities": 0, "concatenate_first": 0, "pair_tables": 0, "linear_calls": 0, "unsqueeze_first": 0,
-             "collapse_views": 0}
+    steps = {"dedupe": 0, "identities": 0, "concatenate_first": 0, "pair_tables": 0, "linear_calls": 0,
+             "unsqueeze_first": 0, "collapse_views": 0}
     if any(writes_in_place(node) for node in graph.nodes):
         return steps
     steps["dedupe"] = dedupe(graph)

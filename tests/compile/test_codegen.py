@@ -322,3 +322,75 @@ def test_every_bound_overload_reaches_that_overload_with_its_result():
         assert mode.ops == [overload] and torch.equal(got, overload(x, sizes)), name
     assert codegen.binding(torch.ops.aten.slice.Tensor) is None  # no binding: the boxed call
     assert codegen.binding(torch.ops.mindiesd.rms_norm.default) is None
+
+
+class _Linears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(D, 3 * D), torch.nn.Linear(3 * D, D)
+
+    def forward(self, x):
+        return self.b(torch.sigmoid(self.a(x)))
+
+
+class _CountingExtension:
+    """The C++ extension with its linear entry counted."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, 0
+
+    def linear(self, *args):
+        self.calls += 1
+        return self.module.linear(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_layers_run_the_cpp_entry_with_torch_linear_bits(dtype, monkeypatch):
+    """The runner calls each linear layer's C++ entry (the CPU GEMM kernels without the dispatcher's autograd
+    layers): the same values, bit for bit, as torch's linear."""
+    model = _Linears().to(dtype)
+    x = _randn(2, 8, D, seed=6).to(dtype)
+    counting = _CountingExtension(cpp.cpp_build.extension())
+    monkeypatch.setattr(cpp.cpp_build, "_extension", counting)
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        expected = model(x)
+        actual = compiled(x)
+        again = compiled(x)
+    linears = [n for n in backend.graphs[0].graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 2 and codegen.runner(backend.graphs[0]).direct_ops == 2
+    assert counting.calls == 4, "each linear layer of each call ran the entry"
+    assert torch.equal(actual, expected) and torch.equal(again, expected)
+
+
+@needs_cpp
+def test_the_linear_entry_declines_what_needs_the_dispatcher():
+    """Where autograd, a dispatch mode, autocast or a tensor subclass could matter, the entry declines (None) and
+    torch's linear runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    linear = cpp.cpp_build.extension().linear
+    x, w, b = _randn(2, 8, D), _randn(3 * D, D, seed=1), _randn(3 * D, seed=2)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for args in ((x, w, b), (x, w, None), (x[0], w, b), (x[0], w, None)):
+            args = tuple(a.to(dtype) if a is not None else None for a in args)
+            assert torch.equal(linear(*args), F.linear(*args)), dtype
+    assert linear(x.transpose(0, 1), w, b) is None  # a strided 3-D input: torch's own decomposition
+    assert linear(x[None], w, b) is None and linear(x, w.double(), b) is None
+    w_grad = w.clone().requires_grad_()
+    assert linear(x, w_grad, b) is None  # grad mode on, an input that requires grad: autograd records it
+    with torch.no_grad():
+        assert linear(x, w_grad, b) is not None
+    with Seen():
+        assert linear(x, w, b) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, w, b) is None

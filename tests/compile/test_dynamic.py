@@ -128,7 +128,8 @@ def test_three_resolutions_compile_once_and_fuse_as_static(name, sizes, dynamic)
     counts = {f: 0 for f in FAMILIES}
     for gm in dynamic_graphs:
         for node in gm.graph.nodes:
-            if node.op == "call_function" and getattr(node.target, "namespace", None) == "mindiesd":
+            if node.op == "call_function" and getattr(node.target, "namespace", None) == "mindiesd" \
+                    and node.target._opname in counts:  # the specification's families (cat_linear apart)
                 counts[node.target._opname] += 1
     assert counts == static, "the dynamic graph fuses every site the static one does"
     assert all(static[f] > 0 for f in ("norm_rope", "adalayernorm", "mul_add"))  # Flux's norms are all in norm_rope

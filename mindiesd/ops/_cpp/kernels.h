@@ -1,7 +1,8 @@
 // Entry points of the single-pass CPU kernels (one source per op: rms_norm.cpp,
 // adalayernorm.cpp, rope.cpp, glu.cpp, fast_gelu.cpp (linear_gelu too),
-// mul_add.cpp, cat_linear.cpp; the build and streaming settings in common.cpp;
-// helpers shared by them in common.h).
+// mul_add.cpp, cat_linear.cpp; linear.cpp: aten's linear layer for the
+// generated runner; the build and streaming settings in common.cpp; helpers
+// shared by them in common.h).
 //
 // Each returns a new contiguous output, or std::nullopt when it does not
 // cover the form of its inputs (the caller then uses another kernel).
@@ -33,6 +34,8 @@ std::optional<at::Tensor> norm_rope(
 std::optional<at::Tensor> glu(
     const at::Tensor& x, const std::optional<at::Tensor>& y, const std::string& activation, bool gate_first);
 std::optional<at::Tensor> fast_gelu(const at::Tensor& x);
+std::optional<at::Tensor> linear(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::optional<at::Tensor> cat_linear(
     const std::vector<at::Tensor>& xs, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::optional<at::Tensor> linear_gelu(

@@ -53,6 +53,8 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from ..trust import trust_foreign_owner_from_env, untrusted_reason
+
 __all__ = ["build_cpu_kernels", "capability_flags", "cpu_kernel_implementation", "enabled", "extension"]
 
 CACHE_ENV = "MINDIESD_CPP_CACHE"
@@ -200,12 +202,9 @@ def untrusted_build_folder(directory: Path) -> str | None:
     Importing a built module runs its code, so a module someone else could have written is never imported: the
     cache root, the build folder and every file in it must be owned by this user (or root; another owner where
     ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` trusts it) and writable by nobody else, with no symbolic link below
-    the root: the check the graph cache makes before it unpickles an entry (``compilation.cache``)."""
-    from ...compilation.cache import untrusted_reason
-    from ...compilation.config import default_trust_foreign_owner
-
+    the root: the check the graph cache makes before it unpickles an entry (``ops/trust.py``)."""
     root = cache_root()
-    trust = default_trust_foreign_owner()
+    trust = trust_foreign_owner_from_env()
     if not root.exists():
         return None  # made by this user on the first build
     paths = [root]
