@@ -294,3 +294,15 @@ def test_setup_declares_one_module_per_instruction_set():
         assert name == _cpp_build.prebuilt_module_name(tag)
         assert flags == _cpp_build.capability_flags(tag)  # the JIT build's flags for that instruction set
     assert "mindiesd.ops.kernels._cpu_kernels_default" in extensions
+
+
+def test_the_package_build_loads_the_build_module_alone():
+    """setup.py loads ``cpp_build.py`` by its path, outside the package: it may import nothing of the package at
+    module level (a relative import there fails the install)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mindiesd_setup_cpp_build_check", Path(_cpp_build.__file__))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.build_name()[0] == _cpp_build.build_name()[0]
+    assert module.sources_digest() == _cpp_build.sources_digest()

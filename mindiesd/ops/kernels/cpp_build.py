@@ -53,8 +53,6 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from ..trust import trust_foreign_owner_from_env, untrusted_reason
-
 __all__ = ["build_cpu_kernels", "capability_flags", "cpu_kernel_implementation", "enabled", "extension"]
 
 CACHE_ENV = "MINDIESD_CPP_CACHE"
@@ -203,6 +201,8 @@ def untrusted_build_folder(directory: Path) -> str | None:
     cache root, the build folder and every file in it must be owned by this user (or root; another owner where
     ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` trusts it) and writable by nobody else, with no symbolic link below
     the root: the check the graph cache makes before it unpickles an entry (``ops/trust.py``)."""
+    from ..trust import trust_foreign_owner_from_env, untrusted_reason  # here: setup.py loads this file alone
+
     root = cache_root()
     trust = trust_foreign_owner_from_env()
     if not root.exists():
