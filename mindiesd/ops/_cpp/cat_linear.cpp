@@ -39,6 +39,7 @@ std::optional<Tensor> cat_linear(
     return std::nullopt;
   }
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   Tensor out;
   int64_t start = 0;
   for (const Tensor& x : xs) {

@@ -27,6 +27,7 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -557,6 +558,7 @@ Tensor empty_output(const Tensor& x, at::IntArrayRef sizes, ScalarType dtype);
 template <typename Fill>
 std::optional<Tensor> row_op(const Tensor& x_in, ScalarType out_dtype, const Fill& fill) {
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   Tensor out = empty_output(x_in, x_in.sizes(), out_dtype);
   if (x_in.numel() > 0) {
     const Tensor x = (x_in.size(-1) <= 1 || x_in.stride(-1) == 1) ? x_in : x_in.contiguous();

@@ -52,6 +52,7 @@ std::optional<Tensor> fast_gelu(const Tensor& x) {
     return std::nullopt;
   }
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   Tensor out = empty_output(x, x.sizes(), x.scalar_type());
   if (x.numel() == 0) {
     return out;
@@ -74,6 +75,7 @@ std::optional<Tensor> linear_gelu(const Tensor& x, const Tensor& weight, const s
     return std::nullopt;
   }
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   // The GEMM rounded to x's dtype, as eager's linear; its output is new, so the GELU overwrites it.
   Tensor out = at::linear(x, weight, biased ? *bias : Tensor());
   if (!out.is_contiguous()) {

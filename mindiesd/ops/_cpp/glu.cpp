@@ -107,6 +107,7 @@ std::optional<Tensor> glu(
     return std::nullopt;
   }
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   if (!y.has_value()) {
     sizes.back() /= 2;

@@ -98,6 +98,7 @@ std::optional<Tensor> mul_add(const Tensor& x, const Tensor& y, const Tensor& z)
     return std::nullopt;
   }
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   const std::vector<int64_t> shape = at::infer_size(at::infer_size(x.sizes(), y.sizes()), z.sizes());
   Tensor out = empty_output(x, shape, x.scalar_type());
   if (out.numel() == 0) {

@@ -294,6 +294,7 @@ std::optional<Tensor> norm_rope(
     sizes[d] += x.size(d);
   }
   at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   Tensor out = empty_output(first, sizes, out_dtype);
   // The tables broadcast into the heads' view of the output, [..., W / head_dim, head_dim] (or the output itself
   // when one head spans the row).
