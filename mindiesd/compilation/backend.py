@@ -37,6 +37,7 @@ from .device_graph import DeviceGraphRunner, wrap_for_capture
 from .freezing import FrozenGraph, constant_inputs, split_constants
 from .fx_utils import drop_copies
 from .graph_log import GraphLog, resolve_log_dir
+from .into import write_into
 from .pass_manager import PassManager
 from .tidy import tidy
 from .report import CompileReport, GraphRecord, fusion_report
@@ -284,6 +285,9 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
     tidied = tidy(target.graph)
     log.debug("calls removed after fusion: %s", tidied)
     target.graph.eliminate_dead_code()
+    written = write_into(target.graph)  # last: the graph writes in place from here on
+    if written:
+        log.debug("copies removed by writing into their destination: %d", written)
     target.recompile()
     forward = runner(target)
     return CompiledGraph(

@@ -240,7 +240,8 @@ BOUND_OVERLOADS: Tuple[str, ...] = (
     "tanh.default", "relu.default", "pow.Tensor_Scalar", "mean.dim", "sum.dim_IntList", "amax.default",
     "_softmax.default", "native_layer_norm.default", "addcmul.default", "where.self", "index_select.default",
     "_scaled_dot_product_flash_attention_for_cpu.default", "view_as_real.default", "view_as_complex.default",
-    "linear.default",
+    "linear.default", "empty.memory_format", "cos.out", "sin.out", "exp.out", "sigmoid.out", "tanh.out", "rsqrt.out",
+    "mul.out", "add.out", "sub.out", "div.out", "linear.out", "mm.out", "addmm.out",
 )
 
 
