@@ -3,10 +3,12 @@
 # default, so that it fits a single 8-minute call; each step has its own limit too, cut to what is left):
 #   bash bench/gpu_check.sh            # runs every step, prints one summary table, logs under $OUT
 #   bash bench/gpu_check.sh --dry-run  # prints the steps only
-# Steps: environment, CUDA tests (CUDA graphs; Triton kernels compiled for the GPU), the model bench with
-# device-graph capture on tiny and mid Flux (eager, mindiesd, mindiesd + capture, Inductor on tiny), and the op
-# bench (`python -m mindiesd bench ops --device cuda`: each fused op vs its eager sequence, Inductor and a copy);
-# the GEMM rewrites (off until measured on a GPU) forced on with each one off in turn (--force ... --ablate).
+#   bash bench/gpu_check.sh --more     # then the earlier round's steps (forced families, GEMM ablations) too
+# Steps: environment; the CUDA tests (CUDA graphs, Triton kernels compiled for the GPU, kernel choice); the op bench
+# in bf16 at Flux's real shapes with each fused op's bandwidth against a copy's (`bench ops --device cuda --json`);
+# `wide` and `mid` Flux in bf16, each in one process: eager, mindiesd (its kernels chosen by measuring each site on
+# the GPU: kernel_choice="auto"), mindiesd captured, Inductor default and reduce-overhead, with compile times; and
+# last the record docs/gpu-results.json (written to $OUT/gpu-results.json: copy it to docs/ and commit it).
 # Without a GPU it says so and exits 0 after the environment step.
 # On this workplace's H200 image (torch in a venv, no network), from the repository root:
 #   export PATH=/opt/torch/.venv/bin:$PATH OUT=/tmp/gc; bash bench/gpu_check.sh   (carry .whl/ with diffusers' wheels)
@@ -15,27 +17,34 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT_DIR"
 DRY=0
+MORE=0
 BUDGET="${GPU_CHECK_BUDGET:-450}"
 # the elementwise families declared not faster than eager on CUDA (uncaptured), forced on to measure them captured
 FORCE_ELEMENTWISE="--force rms_norm --force norm_rope --force adalayernorm --force fast_gelu --force mul_add"
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
+for arg in "$@"; do
+  case $arg in --dry-run) DRY=1 ;; --more) MORE=1 ;; *) echo "gpu_check: unknown option $arg"; exit 2 ;; esac
+done
+MODEL_VS="--dtype bf16 --device cuda --capture --vs inductor --vs inductor-ro --markdown"
 
 STEPS=(
-  "tests|190|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_codegen.py"
-  "flux_mid_bf16_capture|45|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux_mid_bf16.json"
+  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_codegen.py tests/compile/test_kernel_choice.py"
+  "ops_cuda_bf16|60|python -m mindiesd bench ops --device cuda --dtype bf16 --no-inductor --markdown --json $OUT_DIR/ops_cuda_bf16.json"
+  "flux_wide_bf16|150|python -m mindiesd bench model --model flux --size wide $MODEL_VS --json $OUT_DIR/flux_wide_bf16.json"
+  "flux_mid_bf16|80|python -m mindiesd bench model --model flux --size mid $MODEL_VS --json $OUT_DIR/flux_mid_bf16.json"
+)
+# after the steps, whatever they left (outside the budget): the record of this check
+RESULTS="python -m mindiesd.benchmarks.gpu_results --ops $OUT_DIR/ops_cuda_bf16.json --models $OUT_DIR/flux_wide_bf16.json $OUT_DIR/flux_mid_bf16.json --out $OUT_DIR/gpu-results.json"
+MORE_STEPS=(
   "flux_mid_bf16_forced_capture|50|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --capture $FORCE_ELEMENTWISE --markdown --json $OUT_DIR/flux_mid_bf16_forced.json"
   "flux2_bf16_capture|40|python -m mindiesd bench model --model flux2 --size tiny --dtype bf16 --device cuda --capture --markdown --json $OUT_DIR/flux2_bf16.json"
-  "flux2_bf16_forced_capture|40|python -m mindiesd bench model --model flux2 --size tiny --dtype bf16 --device cuda --capture $FORCE_ELEMENTWISE --force glu --markdown --json $OUT_DIR/flux2_bf16_forced.json"
-  "flux_mid_capture|60|python -m mindiesd bench model --model flux --size mid --device cuda --capture --regional --cold --markdown --json $OUT_DIR/flux_mid.json"
-  "flux_tiny_capture|45|python -m mindiesd bench model --model flux --size tiny --device cuda --capture --markdown --json $OUT_DIR/flux_tiny.json"
-  "ops_cuda|90|python -m mindiesd bench ops --device cuda --markdown"
   "flux_mid_bf16_gemm|60|python -m mindiesd bench model --model flux --size mid --dtype bf16 --device cuda --force merge_projections --force linear_gelu --ablate --markdown --json $OUT_DIR/flux_mid_bf16_gemm.json"
   "flux_mid_cat_linear|50|python -m mindiesd bench model --model flux --size mid --device cuda --force cat_linear --ablate --markdown --json $OUT_DIR/flux_mid_cat_linear.json"
-  "flux_tiny_inductor|75|python -m mindiesd bench model --model flux --size tiny --device cuda --vs inductor --markdown --json $OUT_DIR/flux_tiny_inductor.json"
 )
+(( MORE )) && STEPS+=("${MORE_STEPS[@]}")
 
 if (( DRY )); then
   for step in "${STEPS[@]}"; do IFS='|' read -r name limit cmd <<<"$step"; echo "[$name, ${limit}s] $cmd"; done
+  echo "[results, 30s] $RESULTS"
   exit 0
 fi
 
@@ -83,9 +92,12 @@ for step in "${STEPS[@]}"; do
   tail -15 "$OUT_DIR/$name.log"
   case $rc in 0) status=ok ;; 124) status=timeout ;; *) status="failed($rc)" ;; esac
   key=$(grep -E "passed|failed" "$OUT_DIR/$name.log" | tail -1)
-  [[ -z "$key" ]] && key=$(grep -E "^\| (flux|mul_add)" "$OUT_DIR/$name.log" | tail -1 | cut -c1-160)
+  [[ -z "$key" ]] && key=$(grep -E "^\| (flux|mul_add)|gpu_results:" "$OUT_DIR/$name.log" | tail -1 | cut -c1-160)
   SUMMARY+=("| $name | $status | ${seconds}s | ${key:-see $name.log} |")
 done
+
+echo "== results: $RESULTS"
+timeout 30 bash -c "$RESULTS" 2>&1 | tee "$OUT_DIR/results.log"
 
 echo
 echo "== summary (logs in $OUT_DIR)"

@@ -23,8 +23,8 @@ from .environment import environment, footer  # noqa: F401  (the modes take the 
 FAMILIES = tuple(_FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-DEFAULT_ITERS = {"tiny": 20, "mid": 5, "deep": 5, "host": 200, "host-deep": 50}
-DEFAULT_WARMUP = {"tiny": 3, "mid": 1, "deep": 1, "host": 10, "host-deep": 3}
+DEFAULT_ITERS = {"tiny": 20, "mid": 5, "deep": 5, "host": 200, "host-deep": 50, "wide": 5}
+DEFAULT_WARMUP = {"tiny": 3, "mid": 1, "deep": 1, "host": 10, "host-deep": 3, "wide": 1}
 
 
 def complain(stderr: TextIO, message: str) -> None:

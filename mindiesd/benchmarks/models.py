@@ -55,6 +55,9 @@ INDUCTOR_COLUMNS = (
     "speed_vs_inductor",
 )
 
+#: With ``--vs inductor-ro``: Inductor's ``mode="reduce-overhead"`` (CUDA graphs on a GPU).
+INDUCTOR_RO_COLUMNS = ("inductor_ro_compile_s", "inductor_ro_ms")
+
 CAPTURE_COLUMNS = ("capture_first_s", "capture_ms", "capture_speedup")
 
 #: With ``--ablate``: per GEMM rewrite, the steady ms with that switch off / the ms with it on (above 1: it gains).
@@ -196,6 +199,7 @@ def run_case(
     warmup: int | None = None,
     vs_inductor: bool = False,
     inductor_cold_cache: bool = True,
+    vs_inductor_ro: bool = False,
     backend: Any = None,
     progress: Progress | None = None,
     capture: bool = False,
@@ -285,6 +289,19 @@ def run_case(
                     row["inductor_max_rel_err"] = max_relative_error(ind_out, reference)
                     row["inductor_compile_s"] = ind_compile_s
                     runners["inductor"] = lambda: inductor(**inputs)
+            if vs_inductor_ro:
+                row.update(dict.fromkeys(INDUCTOR_RO_COLUMNS))
+                if inductor_cold_cache and not vs_inductor:
+                    keep_alive.enter_context(_fresh_inductor_cache())
+                reduce_overhead = torch.compile(model, mode="reduce-overhead")
+                try:
+                    _, row["inductor_ro_compile_s"] = _timed_first_call(
+                        lambda: reduce_overhead(**inputs), progress, f"compiling {tag} with inductor reduce-overhead"
+                    )
+                except Exception as exc:  # noqa: BLE001  (keep the other columns)
+                    progress.note(f"inductor reduce-overhead failed on {tag}: {type(exc).__name__}: {exc}")
+                else:
+                    runners["inductor-ro"] = lambda: reduce_overhead(**inputs)
             if capture:
                 row.update(dict.fromkeys(CAPTURE_COLUMNS))
                 from ..compilation.device_graph import adapter_for
@@ -327,6 +344,8 @@ def run_case(
     for family in GEMM_FAMILIES:
         if f"no_{family}" in medians:
             row[f"gain_{family}"] = medians[f"no_{family}"] / medians["mindiesd"]
+    if "inductor-ro" in medians:
+        row["inductor_ro_ms"] = medians["inductor-ro"]
     if "captured" in medians:
         row["capture_ms"] = medians["captured"]
         row["capture_speedup"] = medians["eager"] / medians["captured"]
@@ -346,7 +365,7 @@ def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     columns = list(BASE_COLUMNS)
     if any("fused" in row for row in rows):
         columns.insert(columns.index("graphs"), "fused")
-    for extra in (INDUCTOR_COLUMNS, CAPTURE_COLUMNS, REGIONAL_COLUMNS, ABLATE_COLUMNS):
+    for extra in (INDUCTOR_COLUMNS, INDUCTOR_RO_COLUMNS, CAPTURE_COLUMNS, REGIONAL_COLUMNS, ABLATE_COLUMNS):
         if any(column in row for row in rows for column in extra):
             columns += extra
     return columns
@@ -368,11 +387,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_options(parser)
     parser.add_argument(
         "--vs",
-        choices=("inductor",),
+        choices=("inductor", "inductor-ro"),
         action="append",
         default=[],
-        help="also compile with this backend and compare (Inductor can take minutes to compile); both compile "
-        "from empty caches unless --inductor-cache or --cache-dir is given",
+        help="also compile with this backend and compare: Inductor's default mode, or mode='reduce-overhead' "
+        "(repeat --vs for both; Inductor can take minutes to compile); all compile from empty caches unless "
+        "--inductor-cache or --cache-dir is given",
     )
     parser.add_argument(
         "--inductor-cache",
@@ -452,6 +472,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     iters=args.iters,
                     warmup=args.warmup,
                     vs_inductor="inductor" in args.vs,
+                    vs_inductor_ro="inductor-ro" in args.vs,
                     inductor_cold_cache=args.cold or not args.inductor_cache,
                     progress=progress,
                     capture=args.capture,

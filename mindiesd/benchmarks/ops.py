@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from . import environment
-from .common import DTYPES, positive_int
+from .common import DTYPES, positive_int, write_json
 from .timing import Medians, interleaved_medians, synchronize
 
 EPS = 1e-6
@@ -305,6 +305,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp32, no Inductor, one round, with the variants (--dtype, --rounds and --max-rounds "
                              "still apply)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the rows as JSON: per op the kernel that ran, whether its family is fused by "
+                             "default on the device, the milliseconds, and the bytes it moves per second against a "
+                             "copy's")
     parser.add_argument("--prefault-mib", type=int, default=1024,
                         help="heap to grow and touch first (CPU, with GLIBC_TUNABLES); 0: none")
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu; e.g. cuda, npu)")
@@ -411,7 +415,54 @@ def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optio
                 rows.append((case, tag, timing, difference))
                 del candidates, preallocated
     say(format_table(rows, args.markdown, with_inductor))
+    if args.json:
+        write_json(args.json, {"device": _device_line(device), "torch": torch.__version__,
+                               "rows": json_rows(rows, device)})
     return 0
+
+
+def _bytes(values: Any) -> int:
+    """Bytes of the distinct tensors among ``values`` (a tensor read twice is read once)."""
+    seen, total = set(), 0
+    for value in values if isinstance(values, (tuple, list)) else (values,):
+        if isinstance(value, (tuple, list)):
+            total += _bytes(value)
+        elif isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            total += value.numel() * value.element_size()
+    return total
+
+
+def json_rows(rows, device: torch.device) -> List[dict]:
+    """The rows ``(case, dtype tag, Medians, max abs diff)`` as JSON objects: ``op``, ``shape``, ``dtype``,
+    ``kernel`` (the implementation registered for the op on the device), ``enabled`` (its family fused there by
+    default), ``eager_ms``, ``fused_ms``, ``inductor_ms``, ``copy_ms``, ``copy_gbps`` (the largest input copied:
+    read and written), ``fused_gbps`` (the op's inputs read and output written per second) and
+    ``pct_copy_bw``."""
+    from mindiesd.compilation.families import FAMILIES, skip_reason
+    from mindiesd.ops import registry
+
+    out = []
+    for case, tag, timing, difference in rows:
+        m: Medians = timing
+        name = case.op.split(":")[0]
+        registered = registry.DEVICE_KERNELS.get(device.type, {}).get(name)
+        implementation = registered if registered is not None else None
+        kernel = (f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__qualname__', '?')}"
+                  if implementation is not None else "reference")
+        with torch.no_grad():
+            moved = _bytes(case.args) + _bytes(case.kernel(*case.args))
+        copy_bytes = 2 * _bytes(case.source)
+        fused_gbps = moved / (m["mindiesd"] * 1e6)
+        copy_gbps = copy_bytes / (m["copy_"] * 1e6)
+        out.append({
+            "op": case.op, "shape": case.shape, "dtype": tag, "kernel": kernel,
+            "enabled": name in FAMILIES and skip_reason(name, device.type) is None,
+            "eager_ms": m["eager"], "fused_ms": m["mindiesd"], "inductor_ms": m.get("inductor"),
+            "copy_ms": m["copy_"], "copy_gbps": copy_gbps, "fused_gbps": fused_gbps,
+            "pct_copy_bw": 100.0 * fused_gbps / copy_gbps, "max_abs_diff": difference,
+        })
+    return out
 
 
 def format_table(rows, markdown: bool, with_inductor: bool) -> str:

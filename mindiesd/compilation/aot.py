@@ -261,6 +261,12 @@ class AotForward:
                 total[family] = total.get(family, 0) + count
         return total
 
+    def kernel_choices(self) -> List[str]:
+        """What each measured fused op site of the artifacts in use runs, with the candidates' times, as their
+        compile measured it (``kernel_choice``; loaded artifacts are not measured again)."""
+        return [line for artifact in self._artifacts.values()
+                for line in getattr(artifact._artifacts.compiled_fn.entry, "kernel_choices", ())]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         signature = (_signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
         candidates = self._runs.setdefault(signature, [])

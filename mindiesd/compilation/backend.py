@@ -21,7 +21,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.fx import GraphModule
@@ -30,6 +30,7 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .families import check_known
 from . import cache as graph_cache
+from .choice import choose_kernels
 from .codegen import compiled_code, runner, traced_facts
 from .config import CompilationConfig
 from .context import GraphContext
@@ -137,6 +138,7 @@ class MindieSDBackend:
         """Copy what the stages made of the graph into its record (and :attr:`graphs`)."""
         record.matches, record.rules, record.skipped = dict(result.matches), dict(result.rules), dict(result.skipped)
         record.folded_constants, record.nodes_after, record.cache = result.n_folded, result.nodes_after, result.cache
+        record.kernel_choices = list(result.kernel_choices)
         if self.keep_graphs and result.main is not None:
             self.graphs.append(result.main)
 
@@ -189,6 +191,8 @@ class CompiledGraph:
     not_cacheable: Optional[str] = None
     #: The generated runner of ``main`` (``codegen.runner``), whose compiled code a stored entry keeps.
     code: Optional[Callable[..., Any]] = None
+    #: What each measured fused op site runs, with the candidates' times (``kernel_choice``; empty: not measured).
+    kernel_choices: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,8 @@ def load_cached(context: GraphContext, graph_log: GraphLog) -> Optional[Compiled
     run = graph_cache.runnable(entry)
     graph_log.graph("cached", entry.main)
     return CompiledGraph(run, entry.main, run.frozen, entry.n_folded, dict(entry.matches), dict(entry.rules),
-                         dict(entry.skipped), entry.nodes_after, cache="hit")
+                         dict(entry.skipped), entry.nodes_after, cache="hit",
+                         kernel_choices=tuple(entry.kernel_choices))
 
 
 def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog) -> CompiledGraph:
@@ -279,6 +284,13 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
     split = frozen.graph
     target = split.main if split is not None else aten_gm
     matches = {**frozen.rewrites, **passes.run(target, graph_log)}
+    choices: Tuple[str, ...] = ()
+    if context.measuring and context.device is not None:  # each fused site keeps its op only where it wins
+        chosen = choose_kernels(target, context.device)
+        choices = tuple(c.describe() for c in chosen)
+        for line in choices:
+            log.info("graph kernel choice: %s", line)
+        graph_log.graph("kernel_choice", target)
     dropped = drop_copies(target.graph)
     if dropped:
         log.debug("removed %d copies of computed values", dropped)
@@ -295,6 +307,7 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
         n_folded=split.n_folded if split is not None else 0, matches=matches, rules=passes.rule_hits(),
         skipped={**context.skipped, **frozen.skipped},
         nodes_after=_node_count(target) + (_node_count(split.fold) if split is not None else 0),
+        kernel_choices=choices,
     )
 
 
@@ -318,6 +331,7 @@ def cached_entry(compiled: CompiledGraph) -> graph_cache.CachedGraph:
         matches=dict(compiled.matches), rules=dict(compiled.rules), skipped=dict(compiled.skipped),
         nodes_after=compiled.nodes_after, direct=traced_facts(compiled.main),
         runner_code=compiled_code(compiled.code) if compiled.code is not None else None,
+        kernel_choices=list(compiled.kernel_choices),
     )
 
 

@@ -104,6 +104,8 @@ class CachedGraph:
     direct: Dict[str, torch.dtype] = field(default_factory=dict)
     #: The runner's compiled code (``codegen.compiled_code``), or None: a load then compiles the generated text.
     runner_code: Optional[Tuple[str, bytes]] = None
+    #: What each measured fused op site runs, with the candidates' times (``kernel_choice``), for the report.
+    kernel_choices: List[str] = field(default_factory=list)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -115,6 +117,7 @@ class CachedGraph:
         state = dict(state)
         state.setdefault("direct", {})  # stored before the runner existed: its fused ops use the dispatcher
         state.setdefault("runner_code", None)
+        state.setdefault("kernel_choices", [])
         state["main"] = stored_graph.graph_module(state["main"])
         state["fold"] = None if state["fold"] is None else stored_graph.graph_module(state["fold"])
         self.__dict__.update(state)

@@ -219,6 +219,15 @@ _FIELDS: Dict[str, _Field] = {
         False, _is_bool, "a bool",
         "Raise on an internal failure of a pass or trace instead of warning and running the unfused graph.",
     ),
+    "kernel_choice": _Field(
+        "auto", lambda value: value in ("auto", "measure", "declared"), "one of 'auto', 'measure', 'declared'",
+        "What runs each fused op site: 'measure' times the family's kernel, an ATen composition of the same "
+        "function where one exists and the op's reference composition (eager's aten ops) on the graph's device, at "
+        "the site's shapes, dtypes and strides, and keeps the fastest (the graph stores the choice, so a warm start "
+        "does not measure again); 'declared' takes the families' declared choice and measures nothing (reproducible "
+        "runs); 'auto' measures on an accelerator (CUDA, NPU) without device-graph capture and takes the declared "
+        "choice elsewhere.",
+    ),
     "cache_dir": _Field(
         None, _is_optional_folder, "None or a folder path",
         "Persistent compile cache: the folder where each compiled graph is stored and loaded from by later "

@@ -10,6 +10,7 @@ import torch
 from torch.fx import GraphModule
 
 from . import cache as graph_cache
+from . import choice
 from .config import CompilationConfig
 from .pass_manager import skip_reason
 
@@ -36,8 +37,11 @@ class GraphContext:
     families: Tuple[str, ...]
     #: Enabled families left unfused on this device, and why.
     skipped: Mapping[str, str]
-    #: Families counted as faster than eager on this device (``MindieSDBackend(force_fast=...)``).
+    #: Families counted as faster than eager on this device (``MindieSDBackend(force_fast=...)``, and the measured
+    #: families where sites are measured).
     force: FrozenSet[str]
+    #: Whether each fused op site is measured on the device and runs the fastest candidate (``kernel_choice``).
+    measuring: bool
     #: The persistent cache and this graph's key in it; None with :attr:`uncached` saying why.
     cache: Optional[graph_cache.GraphCache]
     key: Optional[str]
@@ -52,6 +56,10 @@ class GraphContext:
         device = _device_of(example_inputs)
         device_type = device.type if device is not None else None
         enabled = config.fusion_patterns.enabled_families() if config.fuse else ()
+        measuring = config.fuse and choice.measuring(config.kernel_choice, device_type, config.capture)
+        if measuring:  # fused even where declared slower: each site is measured and keeps the op only if it wins
+            force = frozenset(force) | {f for f in choice.measured_families()
+                                        if skip_reason(f, device_type, set(force) | {f}) is None}
         skipped = {f: why for f in enabled if (why := skip_reason(f, device_type, force)) is not None}
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
@@ -66,7 +74,7 @@ class GraphContext:
             n_inputs=len(example_inputs), weights=weights, adapters=_adapter_inputs(gm), device=device,
             training=training, freezing_enabled=config.enable_freezing,
             families=tuple(f for f in enabled if f not in skipped), skipped=MappingProxyType(skipped),
-            force=frozenset(force), cache=cache, key=key,
+            force=frozenset(force), measuring=measuring, cache=cache, key=key,
             uncached=f"not cached: {why_not}" if why_not else "off" if not folder else "",
         )
 

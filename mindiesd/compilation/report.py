@@ -25,6 +25,7 @@ class GraphRecord:
     fallback: Optional[str] = None  # why the unfused graph runs, if it does
     skipped: Dict[str, str] = field(default_factory=dict)  # enabled families not fused on this device, and why
     cache: str = "off"  # persistent cache: "off", "hit", "stored", "store failed" or "not cached: <why>"
+    kernel_choices: List[str] = field(default_factory=list)  # measured fused op sites: what runs, with the times
 
     def to_dict(self) -> dict:
         return asdict(self)

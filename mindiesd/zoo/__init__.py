@@ -41,7 +41,7 @@ __all__ = [
 REGISTRY: Dict[str, Entry] = {e.name: e for e in (*_core.ENTRIES, *_dits.ENTRIES)}
 #: Every registered model name (the bench's ``--model`` choices).
 MODELS: Tuple[str, ...] = tuple(REGISTRY)
-SIZES = ("tiny", "mid", "deep", "host", "host-deep")  # the last three: Flux only
+SIZES = ("tiny", "mid", "deep", "host", "host-deep", "wide")  # the last four: Flux only
 
 _DIFFUSERS_HINT = (
     "the model zoo needs the optional 'diffusers' dependency; "

@@ -1,4 +1,4 @@
-"""The core models: Flux, SD3 and Wan, at tiny and mid size (batch 1); Flux also deep, host and host-deep."""
+"""The core models: Flux, SD3 and Wan, at tiny and mid size (batch 1); Flux also deep, host, host-deep and wide."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ _FLUX["host"] = Spec(config={**_FLUX["tiny"].config, "attention_head_dim": 16, "
                      shapes=dict(grid=(4, 4), text_tokens=8))
 _FLUX["host-deep"] = Spec(config={**_FLUX["host"].config, "num_layers": 19, "num_single_layers": 38},
                           shapes=dict(_FLUX["host"].shapes))
+
+#: Flux at its real width and a real image's tokens (24 heads x 128 = 3072 wide, T5's 4096-wide text, a 1024x1024
+#: image: 64 x 64 = 4096 image + 512 text tokens, rotary axes 16/56/56), with 2 double and 2 single blocks: the
+#: shapes a GPU's kernels meet in FLUX.1, in one call (about 1.02 G parameters: 2 GB in bf16).
+_FLUX["wide"] = Spec(config={**_FLUX["tiny"].config, "num_layers": 2, "num_single_layers": 2,
+                             "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                             "pooled_projection_dim": 768, "in_channels": 64, "axes_dims_rope": (16, 56, 56)},
+                     shapes=dict(grid=(64, 64), text_tokens=512))
 
 _SD3 = _sized(
     Spec(

@@ -496,3 +496,22 @@ def test_the_product_never_imports_the_benchmarks_and_the_modes_import_down_only
     for name, floor in floors.items():
         below = imports(package / "benchmarks" / f"{name}.py", level=1)
         assert below <= set(floors) and all(floors[module] < floor for module in below), (name, below)
+
+
+def test_wide_flux_has_flux_1s_width_and_a_1024px_images_tokens():
+    """The registry's real-size Flux: FLUX.1's layer shapes (built on the meta device here: about 1.02 G
+    parameters), a 1024x1024 image's 4096 latent tokens and 512 text tokens."""
+    from diffusers import FluxTransformer2DModel
+
+    config = zoo.config_for("flux", "wide")
+    spec = zoo.entry("flux").sizes["wide"]
+    assert config["num_attention_heads"] * config["attention_head_dim"] == 3072
+    assert config["joint_attention_dim"] == 4096 and tuple(config["axes_dims_rope"]) == (16, 56, 56)
+    assert sum(config["axes_dims_rope"]) == config["attention_head_dim"]
+    assert spec.shapes["grid"][0] * spec.shapes["grid"][1] == 4096 and spec.shapes["text_tokens"] == 512
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config)
+    block = model.transformer_blocks[0]
+    assert block.attn.to_q.weight.shape == (3072, 3072) and block.ff.net[2].weight.shape == (3072, 12288)
+    assert 1.0e9 < sum(p.numel() for p in model.parameters()) < 1.03e9
+    assert zoo.names(size="wide") == ("flux",)
