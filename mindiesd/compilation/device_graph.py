@@ -4,7 +4,7 @@
 dtypes, devices and non-tensor values of the activations, plus the addresses of the weights) it captures once
 and replays afterwards::
 
-    new signature ──> warm-up on a side stream ──> capture into the shared pool ──> replay
+    new signature ──> warm-up on a side stream ──> capture into its own pool ──> replay
     known signature ──> copy activations into the static buffers ──> replay
     weights changed in place since the capture ──> capture again (never replays stale folded weights)
 
@@ -13,7 +13,7 @@ addresses are part of the signature, so a compiled graph serving several module 
 instance, and a weight moved to new storage (``param.data = ...``) selects (or makes) another capture.
 
 The number of captures kept is bounded by ``aclgraph_max_graphs``; the least recently used is evicted, and the
-log says so. All captures of a device share one memory pool. Calls are serialised by a lock, so two threads can
+log says so. Each capture has its own memory pool (see :class:`StreamGraphAdapter`). Calls are serialised by a lock, so two threads can
 share a compiled module; with ``safe_output_mode=False`` the returned tensors are the static outputs, which the
 next replay of the same capture overwrites (by any thread): clone what you keep.
 
@@ -75,12 +75,18 @@ class StreamGraphAdapter:
 
     The capture skips the garbage collection and cache emptying that ``torch.cuda.graph()`` does on entry:
     captures happen while the model is being served, and both would stall it.
+
+    Each capture gets its own memory pool. One pool shared by several graphs is safe only when they replay in the
+    order they were captured: a later capture may place its static outputs in memory an earlier one uses for its
+    intermediates, which that one's next replay overwrites, and the signatures of a served model replay in any
+    order, with the least recently used evicted (whose pool then returns to the allocator). A capture that fails
+    ends the capture and resets its graph, so neither the stream nor the device's random generators stay in
+    capture state; the exception goes on to the runner, which runs that signature uncaptured.
     """
 
     def __init__(self, module: Any, graph_class: Any, device: torch.device):
         self.module, self.graph_class, self.device = module, graph_class, device
         self.name = device.type
-        self._pool = None
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], warmup: int) -> Tuple[Any, Any]:
         module = self.module
@@ -92,17 +98,29 @@ class StreamGraphAdapter:
                 fn(*args)
         current.wait_stream(side)
         module.synchronize(self.device)
-        if self._pool is None:
-            self._pool = module.graph_pool_handle()
         graph = self.graph_class()
         with module.stream(side):
-            graph.capture_begin(pool=self._pool)
+            graph.capture_begin(pool=module.graph_pool_handle())
             try:
                 outputs = fn(*args)
-            finally:
-                graph.capture_end()
+            except BaseException:
+                _abandon(graph)
+                raise
+            graph.capture_end()
         current.wait_stream(side)
         return graph, outputs
+
+
+def _abandon(graph: Any) -> None:
+    """After a failure inside a capture: end it (the stream leaves capture mode, the generators their graph
+    state) and free what the graph holds; errors of these two steps are secondary to the one that failed."""
+    for step in (graph.capture_end, getattr(graph, "reset", None)):
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("cleaning up a failed capture: %s: %s", type(exc).__name__, exc)
 
 
 class DeviceGraphUnavailableError(RuntimeError):

@@ -25,6 +25,7 @@ class _FakeDeviceModule:
 
     def __init__(self):
         self.events, self.pools = [], []
+        self.fail_end = False
         self._current = _FakeStream()
         module = self
 
@@ -35,6 +36,11 @@ class _FakeDeviceModule:
 
             def capture_end(self):
                 module.events.append("capture_end")
+                if module.fail_end:
+                    raise RuntimeError("capture invalidated")
+
+            def reset(self):
+                module.events.append("reset")
 
             def replay(self):
                 module.events.append("replay")
@@ -59,7 +65,7 @@ class _FakeDeviceModule:
         return object()
 
 
-def test_stream_adapter_warms_up_then_captures_into_one_shared_pool(monkeypatch):
+def test_stream_adapter_warms_up_then_captures_each_signature_into_its_own_pool(monkeypatch):
     module = _FakeDeviceModule()
     adapter = StreamGraphAdapter(module, module.Graph, torch.device("cpu"))
     collected = []
@@ -73,8 +79,27 @@ def test_stream_adapter_warms_up_then_captures_into_one_shared_pool(monkeypatch)
     for _ in range(2):
         graph, out = adapter.capture(fn, [torch.zeros(2)], warmup=1)
     assert calls == ["side_stream", "capture_begin", "side_stream", "capture_begin"]
-    assert module.events.count("new_pool") == 1 and module.pools[0] is module.pools[1]
+    # one pool per capture: signatures replay in any order and are evicted one by one
+    assert module.events.count("new_pool") == 2 and module.pools[0] is not module.pools[1]
     assert not collected, "no garbage collection around a capture"
+
+
+@pytest.mark.parametrize("end_fails", [False, True])
+def test_a_failed_capture_ends_the_capture_resets_the_graph_and_raises_its_own_error(end_fails):
+    """The stream and the generators leave capture state (capture_end), the graph frees what it holds (reset),
+    and the runner sees the error that made the capture fail, not a secondary one."""
+    module = _FakeDeviceModule()
+    module.fail_end = end_fails
+    adapter = StreamGraphAdapter(module, module.Graph, torch.device("cpu"))
+
+    def fn(x):
+        if module.events[-1] == "capture_begin":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x + 1
+
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        adapter.capture(fn, [torch.zeros(2)], warmup=1)
+    assert module.events[-2:] == ["capture_end", "reset"]
 
 
 def _tiny_flux(device):
