@@ -22,6 +22,24 @@ TOLERANCE = {
 }
 
 
+def compile_zoo_model(name: str, size: str, config: Optional[CompilationConfig] = None) -> Tuple[Any, Any, Any]:
+    """(compiled output, eager output, the final graph) of registry model ``name`` at ``size``, compiled whole
+    (``fullgraph``) with a fallback warning an error; the cache off unless ``config`` says otherwise."""
+    import warnings
+
+    from mindiesd import zoo
+    from mindiesd.compilation import MindieSDFallbackWarning
+
+    case = zoo.build(name, size)
+    backend = MindieSDBackend(config or CompilationConfig(cache_dir=None), keep_graphs=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        actual = torch.compile(case.model, backend=backend, fullgraph=True)(**case.inputs)[0]
+        expected = case.model(**case.inputs)[0]
+    torch._dynamo.reset()
+    return actual, expected, backend.graphs[0]
+
+
 def count_fused(backend: MindieSDBackend) -> Dict[str, int]:
     """Calls of each torch.ops.mindiesd op in the final graphs the backend produced."""
     counts: Counter = Counter()

@@ -2,14 +2,13 @@
 an op becomes the op's out variant, a concatenation of results the parts written into one buffer. The values are
 exactly eager's; what cannot be written as it was computed stays as it was."""
 
-import warnings
 from collections import Counter
 
 import pytest
 import torch
 
-from fusion_utils import run_compiled
-from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from fusion_utils import compile_zoo_model, run_compiled
+from mindiesd.compilation import CompilationConfig, MindieSDBackend
 from mindiesd.compilation.into import cast_into, cat_into
 
 aten = torch.ops.aten
@@ -145,7 +144,6 @@ def test_a_batch_larger_than_one_keeps_the_concatenation_of_linear_layers():
 
 
 def test_dynamic_shapes_leave_the_graph_as_it_was():
-    actual, expected, calls_and = None, None, None
     backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
     compiled = torch.compile(timestep_embedding, backend=backend, dynamic=True, fullgraph=True)
     with torch.no_grad():
@@ -168,17 +166,9 @@ def test_a_graph_that_writes_in_place_is_left_alone():
 
 
 def test_flux_writes_its_embeddings_and_joint_values_in_place_of_the_copies():
-    from mindiesd import zoo
-
-    case = zoo.build("flux", "host")
-    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("error", MindieSDFallbackWarning)
-        actual = torch.compile(case.model, backend=backend, fullgraph=True)(**case.inputs)[0]
-        expected = case.model(**case.inputs)[0]
-    torch._dynamo.reset()
+    actual, expected, gm = compile_zoo_model("flux", "host")
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    calls = _calls(backend.graphs[0])
+    calls = _calls(gm)
     # left: the text and image ids' join (graph inputs) and the streams' join before the single blocks (mul_add)
     assert calls[aten.cat.default] == 2
     assert calls[aten._to_copy.default] == 0

@@ -137,24 +137,12 @@ def test_the_measured_choice_and_the_declared_one_are_cached_apart(monkeypatch, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_measuring_with_the_real_timer_gives_eagers_values_and_times_every_candidate(dtype):
-    actual, expected, backend = _real_compile(dtype)
+    actual, expected, backend = _compile(None, None, dtype=dtype)  # the real timer
     assert_close(actual, expected, dtype)
     lines = backend.report().records[0].kernel_choices
     assert len(lines) == 3
     for line in lines:
         assert " ms)" in line and "kernel " in line and "reference " in line and " - " not in line
-
-
-def _real_compile(dtype):
-    model = Block().to(dtype).eval()
-    backend = MindieSDBackend(CompilationConfig(cache_dir=None, kernel_choice="measure"), keep_graphs=True)
-    args = _inputs(dtype)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("error", MindieSDFallbackWarning)
-        actual = torch.compile(model, backend=backend, fullgraph=True)(*args)
-        expected = model(*args)
-    torch._dynamo.reset()
-    return actual, expected, backend
 
 
 def test_sites_with_one_signature_are_measured_once(monkeypatch):

@@ -2,13 +2,12 @@
 arguments runs once, a linear layer is one call, a chain of reshapes is one view; outputs equal eager's, layouts
 the traced ones."""
 
-import warnings
 from collections import Counter
 
 import torch
 
-from fusion_utils import assert_close, run_compiled
-from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from fusion_utils import assert_close, compile_zoo_model, run_compiled
+from mindiesd.compilation import CompilationConfig
 from mindiesd.compilation import backend as backend_module
 
 aten = torch.ops.aten
@@ -24,18 +23,9 @@ def _randn(*shape, seed=0):
 
 
 def _compile_flux(monkeypatch, tidy_on):
-    from mindiesd import zoo
-
     if not tidy_on:
         monkeypatch.setattr(backend_module, "tidy", lambda graph: {})
-    case = zoo.build("flux", "host")
-    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("error", MindieSDFallbackWarning)
-        actual = torch.compile(case.model, backend=backend, fullgraph=True)(**case.inputs)[0]
-        expected = case.model(**case.inputs)[0]
-    torch._dynamo.reset()
-    return actual, expected, backend.graphs[0]
+    return compile_zoo_model("flux", "host")
 
 
 def test_flux_takes_silu_of_the_embedding_once_and_reshapes_in_one_view(monkeypatch):
