@@ -200,3 +200,32 @@ def test_an_ahead_of_time_artifact_keeps_its_measured_choice(monkeypatch, tmp_pa
     assert reloaded.forward.kernel_choices() == stored
     graph, = reloaded.forward.graphs()
     assert _calls(graph)[aten.addcmul.default] == 1 and _calls(graph)[mindiesd.mul_add.default] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("winner", ["reference", "composition"])
+@pytest.mark.parametrize("name", __import__("mindiesd.zoo", fromlist=["MODELS"]).MODELS)
+def test_every_registry_model_runs_whatever_wins_at_each_site(monkeypatch, name, winner):
+    """Each site's op replaced by its reference's aten ops, or by its ATen composition where it has one: every
+    registry model (tiny, fp32) still compiles without a fallback and gives eager's output."""
+    from mindiesd import zoo
+
+    favoured = {"reference"} if winner == "reference" else {"addcmul", "gelu_tanh"}
+    monkeypatch.setattr(choice_module, "time_candidates",
+                        lambda candidates, device: {k: 0.1 if k in favoured else 1.0 for k in candidates})
+    case = zoo.build(name, "tiny")
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None, kernel_choice="measure"), keep_graphs=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        actual = torch.compile(case.model, backend=backend)(**case.inputs)[0]
+        expected = case.model(**case.inputs)[0]
+    torch._dynamo.reset()
+    assert ((actual - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    lines = [line for record in backend.report().records for line in record.kernel_choices]
+    assert lines and all(record.fallback is None for record in backend.report().records)
+    if winner == "reference":
+        assert all(": reference (" in line for line in lines)
+        measured = {choice_module.FAMILIES[f].op.name for f in choice_module.measured_families()}
+        left = [n for gm in backend.graphs for n in gm.graph.nodes if getattr(n.target, "_opname", None) in measured
+                and getattr(n.target, "namespace", None) == "mindiesd"]
+        assert all(choice_module._signature(n) is None for n in left)  # only sites with symbolic shapes stay
