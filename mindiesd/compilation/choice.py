@@ -14,7 +14,7 @@ shapes, dtypes and strides, on random inputs, and keeps the fastest:
   slower than eager would.
 
 A candidate whose output on the site's inputs is not the reference's within the dtype's tolerance, or whose layout
-is not the op's, is not chosen. The op stays where it wins; elsewhere the candidate's aten ops, traced on the site's
+is not the op's, is not chosen (the op included: its site then runs the fastest of the others). The op stays where it wins; elsewhere the candidate's aten ops, traced on the site's
 fake inputs, take its place in the graph. The graph is what the persistent cache and the ahead-of-time artifacts
 store, so a warm start does not measure again; the choices (with every candidate's time) go into the graph's record
 (``MindieSDBackend.report()``) and the graph log. Sites with the same op, arguments and tensor layouts are measured
@@ -217,8 +217,9 @@ def _describe(node: Node) -> str:
     return "[" + ", ".join(shapes) + "]"
 
 
-def _real(value: torch.Tensor, device: torch.device, generator: torch.Generator) -> torch.Tensor:
-    """A real tensor with the traced value's shape, strides and dtype, random where it is floating point."""
+def _real(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A real tensor with the traced value's shape, strides, dtype and device, random where it is floating point."""
+    device = value.device
     out = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=device)
     if value.dtype.is_floating_point:
         values = torch.randn(out.shape, generator=generator, dtype=torch.float32).to(value.dtype)
@@ -248,7 +249,7 @@ def _op_def(op: str):
 def _measure(node: Node, device: torch.device, timer: Timer, direct: Optional[Callable[..., Any]] = None) -> Choice:
     op = node.target._opname
     generator = torch.Generator().manual_seed(0)
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _real(n.meta["val"], device, generator))
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _real(n.meta["val"], generator))
     expected_value = node.meta.get("val")
     names = ["kernel", *(name for name, _ in COMPOSITIONS.get(op, ())), "reference"]
     with torch.no_grad():
@@ -264,9 +265,11 @@ def _measure(node: Node, device: torch.device, timer: Timer, direct: Optional[Ca
             if _agrees(result, reference, expected_value):
                 valid[name] = lambda fn=fn: fn(*args, **kwargs)
         ms = timer(valid, device) if len(valid) > 1 else {name: float("nan") for name in valid}
+    # the fastest valid candidate (a tie keeps the op); where the op itself disagrees with its reference on these
+    # inputs, the fastest of the others: a site never runs what gave another answer
     chosen = "kernel"
-    if len(valid) > 1 and "kernel" in valid:
-        chosen = min(ms, key=lambda name: (ms[name], name != "kernel"))
+    if len(valid) > 1 or (valid and "kernel" not in valid):
+        chosen = min(valid, key=lambda name: (ms.get(name, float("inf")), name != "kernel"))
     choice = Choice(op=op, signature=_describe(node), chosen=chosen,
                     ms={name: (ms.get(name) if name in valid else None) for name in names})
     log.debug("kernel choice: %s", choice.describe())

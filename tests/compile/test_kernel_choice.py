@@ -106,6 +106,20 @@ def test_a_candidate_that_computes_something_else_is_never_chosen(monkeypatch):
     assert ": kernel (" in gelu_line and "wrong -" in gelu_line  # not valid there: no time
 
 
+def test_a_site_whose_op_disagrees_with_its_reference_runs_another_candidate(monkeypatch):
+    """The op is the declared choice, but a measurement that sees it give another answer does not keep it."""
+    def off_by_one(node, fact):
+        return lambda *args, **kwargs: node.target(*args, **kwargs) + 1
+
+    monkeypatch.setattr(choice_module, "_runner_call", off_by_one)
+    actual, expected, backend = _compile(monkeypatch, FakeTimer({"kernel": 0.001}))
+    assert_close(actual, expected)
+    calls = _calls(backend.graphs[0])
+    assert not any(getattr(t, "namespace", None) == "mindiesd" for t in calls)
+    lines = backend.report().records[0].kernel_choices
+    assert len(lines) == 3 and all("kernel -" in line and ": kernel (" not in line for line in lines)
+
+
 @pytest.mark.parametrize("kernel_choice", ["declared", "auto"])
 def test_declared_and_auto_on_the_cpu_measure_nothing(monkeypatch, kernel_choice):
     def refuse(candidates, device):
