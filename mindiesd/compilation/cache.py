@@ -36,7 +36,8 @@ Folders the cache makes are 0700, its files 0600.
 
 **Size.** A store that would take the folder past ``cache_max_bytes`` first removes the least recently used graphs and
 artifacts (a load sets a file's mtime: a use), under an ``flock`` of the folder's lock file, so processes sharing
-the folder keep it under the limit together.
+the folder keep it under the limit together. Temporary files of writes in progress count toward the limit; one
+older than an hour, left by a write that never finished, is removed by the next store.
 
 **Not cached** (compiled as without a cache; the graph's ``record.cache`` says why): graphs with symbolic shapes
 (their guards come from the compile), training graphs, graphs under autocast, and graphs whose calling
@@ -56,6 +57,7 @@ import pickle
 import platform
 import stat
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -468,12 +470,21 @@ class CacheFolder:
         if self.max_bytes is None:
             return
         stored = []
+        writing = 0  # temporary files of writes in progress (in another process): their bytes count, they stay
+        now = time.time()
+        for path in _files(str(self.root), _holds_entries, ".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if now - st.st_mtime > STALE_TEMPORARY_SECONDS and _remove(path):
+                    log.debug("cache removed %s, left by a write that did not finish", path)
+                else:
+                    writing += st.st_size
         for path in cache_entries(str(self.root)):
             with contextlib.suppress(FileNotFoundError):
                 st = os.lstat(path)
                 if path != replaced:
                     stored.append((st.st_mtime_ns, st.st_size, path))
-        total = incoming + sum(size for _, size, _ in stored)
+        total = incoming + writing + sum(size for _, size, _ in stored)
         for _, size, path in sorted(stored):
             if total <= self.max_bytes:
                 return
@@ -501,6 +512,10 @@ class CacheFolder:
 
 #: The lock file of a cache folder (:meth:`CacheFolder._locked`).
 _LOCK_FILE = ".lock"
+
+#: A temporary file of :func:`write_atomic` this old was left by a write that did not finish (a killed process):
+#: the next store removes it. A younger one is a write in progress elsewhere; its bytes count toward the limit.
+STALE_TEMPORARY_SECONDS = 3600
 
 
 def _remove(path: Path) -> bool:

@@ -147,3 +147,27 @@ def test_bad_limits_are_refused():
     for bad in (0, -1, 1.5, "2G", True):
         with pytest.raises(SettingTypeError, match="cache_max_bytes must be None or a positive int"):
             CompilationConfig(cache_max_bytes=bad)
+
+
+def test_temporary_files_count_toward_the_limit_and_stale_ones_are_removed(tmp_path):
+    """A write in progress elsewhere (a young ``.tmp``) takes room the store must leave; one a killed writer left an
+    hour ago is removed by the next store."""
+    import os
+    import time
+
+    entry = _entry(20_000)
+    size = len(graph_cache._encode(entry, _key(0)))
+    cache = GraphCache(CacheFolder(tmp_path, max_bytes=int(2.5 * size)))
+    assert cache.store(_key(0), entry) is not None and cache.store(_key(1), entry) is not None
+    folder = graph_cache.cache_entries(str(tmp_path))[0].parent
+    in_progress = folder / ".pending.abc.tmp"
+    in_progress.write_bytes(b"\0" * size)
+    stale = folder / ".crashed.def.tmp"
+    stale.write_bytes(b"\0" * (3 * size))
+    hour_ago = time.time() - graph_cache.STALE_TEMPORARY_SECONDS - 60
+    os.utime(stale, (hour_ago, hour_ago))
+    assert cache.store(_key(2), entry) is not None
+    kept = {path.stem for path in graph_cache.cache_entries(str(tmp_path))}
+    assert not stale.exists() and in_progress.exists()
+    # two entries and the write in progress would pass 2.5 entries: the least recently used two went
+    assert kept == {_key(2)}
