@@ -31,7 +31,8 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 from .families import check_known
 from . import cache as graph_cache
 from .choice import choose_kernels
-from .codegen import compiled_code, runner, traced_facts
+from .codegen import compiled_code, traced_facts
+from .executor import runner
 from .config import CompilationConfig
 from .context import GraphContext
 from .device_graph import DeviceGraphRunner, wrap_for_capture
@@ -189,7 +190,7 @@ class CompiledGraph:
     cache: str = "off"
     #: Why it cannot be stored (aot's runtime wrapper does more than call it), or None.
     not_cacheable: Optional[str] = None
-    #: The generated runner of ``main`` (``codegen.runner``), whose compiled code a stored entry keeps.
+    #: The runner of ``main`` (``executor.runner``), whose generated code a stored entry keeps.
     code: Optional[Callable[..., Any]] = None
     #: What each measured fused op site runs, with the candidates' times (``kernel_choice``; empty: not measured).
     kernel_choices: Tuple[str, ...] = ()

@@ -309,7 +309,7 @@ def calling_convention_problem(aten_gm: GraphModule, n_inputs: int) -> Optional[
 def runnable(entry: CachedGraph) -> Callable[..., Any]:
     """The callable Dynamo gets from a cache hit: the graphs on the flat inputs, without gradients (as aot runs
     an inference graph)."""
-    from .codegen import runner
+    from .executor import runner
     from .freezing import FrozenGraph
 
     if entry.fold is not None:
@@ -325,6 +325,10 @@ def runnable(entry: CachedGraph) -> Callable[..., Any]:
 def inference_call(run_graph: Callable[..., Any]) -> Callable[..., Any]:
     """``run_graph`` called as aot calls an inference graph whose calling convention it leaves as it is (no
     input mutation, no aliased output: :func:`calling_convention_problem`): without gradients."""
+    from .executor import Bound, Executed
+
+    if isinstance(run_graph, (Bound, Executed)):  # the program switches grad mode itself
+        return run_graph.inference()
 
     def run(*args: Any) -> Any:
         with torch.no_grad():

@@ -48,6 +48,13 @@ def _layout_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(autouse=True)
+def generated_runner(monkeypatch):
+    """These tests are of the generated Python runner; the C++ executor that runs it where it can has its own
+    (test_executor.py)."""
+    monkeypatch.setenv("MINDIESD_EXECUTOR", "0")
+
+
 needs_cpp = pytest.mark.skipif(not cpp.KERNELS or registry.DEVICE_KERNELS.get("cpu", {}).get("rms_norm")
                                is not cpp.KERNELS.get("rms_norm"), reason="the C++ CPU kernels are not in use")
 

@@ -9,6 +9,10 @@
 
 #include <pybind11/stl.h>
 
+namespace mindiesd_cpu {
+void bind_executor(pybind11::module_& m);  // executor.cpp
+}  // namespace mindiesd_cpu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using py::arg;
@@ -32,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Outputs of at least ``bytes`` use non-temporal stores (-1: 3/4 of the L3 size).");
   m.def("streaming_threshold", &mindiesd_cpu::streaming_threshold);
   m.attr("vector_lanes") = mindiesd_cpu::vector_lanes();
+  mindiesd_cpu::bind_executor(m);
 }

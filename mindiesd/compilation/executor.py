@@ -1,0 +1,418 @@
+"""A fused graph with static shapes run from C++: one call from Python per forward instead of one per op.
+
+The generated runner of :mod:`.codegen` calls each op through its Python binding: about 0.6 us of argument
+parsing and result wrapping per call (a ``view`` costs 0.8 us from Python, 0.2 us from C++), the most of a
+forward's host time once the ops are fused. Here the graph becomes a list of instructions for the ``Program``
+of ``_cpp/executor.cpp``: per node the operator's handle, where each schema argument comes from (a value slot,
+a list of slots, a constant converted once to the schema's type), the slots of its returns and the slots released
+after it. A run calls every operator through the dispatcher's boxed entry, which reaches the same kernels as the
+Python call, and a fused op with a C++ CPU kernel through that kernel's entry point, as the generated runner does.
+
+The executor runs a graph only where every node is an operator overload, a ``getitem`` of one's returns, a
+placeholder or a ``get_attr`` (read each call, as the graph's forward does) and the output is a tuple or list of
+values: a graph with symbolic sizes (``operator`` arithmetic on ``SymInt``), a higher-order op or any other Python
+callable keeps the generated runner. It needs the C++ kernels' extension module, loaded on the first call (never
+while a graph is traced); without it, or where a program cannot be built, the generated runner runs. While a
+profiler records, the generated runner runs too (and with it the graph's own forward), so that the profile sees
+every op. ``MINDIESD_EXECUTOR=0`` keeps the generated runner everywhere.
+
+Views and ``out=`` writes run below the autograd and view-tracking layers only while grad mode is off and where
+every write in place of the graph goes into a buffer the graph allocates itself (:func:`_writes_own_buffers`):
+nothing outside the forward can observe the version counters or view links that layer would keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch.fx import GraphModule, Node
+
+log = logging.getLogger("mindiesd.compilation")
+
+__all__ = ["ENV", "enabled", "Executed", "instructions", "runner"]
+
+#: ``MINDIESD_EXECUTOR=0``: every graph runs through the generated Python runner.
+ENV = "MINDIESD_EXECUTOR"
+
+aten = torch.ops.aten
+_profiling = torch._C._autograd._profiler_enabled
+
+#: Ops whose result is a view of their first argument: the walk from a written value to the buffer it is part of.
+_VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.slice.Tensor, aten.select.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.as_strided.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.narrow.default,
+    aten.unbind.int,
+})
+_ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default,
+                          aten.empty_like.default})
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def runner(gm: GraphModule, facts: Optional[Mapping[str, Any]] = None, code: Any = None) -> Callable[..., Any]:
+    """What runs ``gm``: the generated runner of :func:`.codegen.runner` (same arguments), through the executor
+    where it is on (an :class:`Executed` whose fallback is that runner; its attributes are the runner's)."""
+    from . import codegen
+
+    facts = codegen.traced_facts(gm) if facts is None else facts
+    generated = codegen.runner(gm, facts, code)
+    if generated == gm.forward or not enabled():
+        return generated
+    return Executed(gm, facts, generated)
+
+
+class _Unsupported(Exception):
+    """A graph the executor does not run (the generated runner does)."""
+
+
+def _root(value: Any) -> Any:
+    while isinstance(value, Node) and value.op == "call_function" and \
+            (value.target in _VIEWS or value.target is operator.getitem):
+        value = value.args[0]
+    return value
+
+
+def _writes_own_buffers(nodes: List[Node]) -> bool:
+    """Whether every argument an op of the graph writes in place is (a view of) a buffer the graph allocates."""
+    for node in nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        if not schema.is_mutable:
+            continue
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            written = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            root = _root(written)
+            if not (isinstance(root, Node) and root.op == "call_function" and root.target in _ALLOCATIONS):
+                return False
+    return True
+
+
+def _list_kind(type_text: str) -> Optional[str]:
+    if type_text in ("List[Tensor]", "Tensor[]"):
+        return "tensors"
+    if type_text in ("List[Optional[Tensor]]", "Tensor?[]", "List[Tensor?]"):
+        return "optional_tensors"
+    return None
+
+
+Instruction = Tuple[str, str, List[Tuple[str, Any]], List[int], List[Tuple[int, int]], List[int], Optional[tuple]]
+
+
+class _Builder:
+    def __init__(self, gm: GraphModule, facts: Mapping[str, Any]):
+        self.gm, self.facts = gm, facts
+        self.slot: Dict[Node, int] = {}  # a node's single value
+        self.returns: Dict[Node, List[int]] = {}  # a node with several returns: slot per return (-1 unread)
+        self.elements: Dict[Node, Dict[int, int]] = {}  # a node returning a list: slot per element read
+        self.instructions: List[list] = []
+        self.at: Dict[Node, int] = {}  # node -> index of its instruction
+        self.count = 0
+
+    def new(self) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def encode(self, value: Any, type_text: str) -> Tuple[str, Any]:
+        if isinstance(value, Node):
+            if value not in self.slot:
+                raise _Unsupported(f"{value.name} is not one value")
+            return ("slot", self.slot[value])
+        if isinstance(value, (list, tuple)) and any(isinstance(v, Node) for v in value):
+            kind = _list_kind(type_text)
+            if kind is None:
+                raise _Unsupported(f"a list of values for {type_text}")
+            slots = []
+            for item in value:
+                if item is None and kind == "optional_tensors":
+                    slots.append(-1)
+                elif isinstance(item, Node) and item in self.slot:
+                    slots.append(self.slot[item])
+                else:
+                    raise _Unsupported("a list mixing values and constants")
+            return (kind, slots)
+        if type_text in ("Tensor", "Optional[Tensor]", "Tensor?") and type(value) in (bool, int, float):
+            return ("number", value)
+        return ("const", value)
+
+    def operator(self, node: Node) -> None:
+        target = node.target
+        schema = target._schema
+        arguments = schema.arguments
+        names = {a.name for a in arguments}
+        if len(node.args) > len(arguments) or any(k not in names for k in node.kwargs):
+            raise _Unsupported(f"arguments of {target} beyond its schema")
+        args: List[Tuple[str, Any]] = []
+        for index, argument in enumerate(arguments):
+            if index < len(node.args):
+                args.append(self.encode(node.args[index], str(argument.type)))
+            elif argument.name in node.kwargs:
+                args.append(self.encode(node.kwargs[argument.name], str(argument.type)))
+            elif argument.has_default_value():
+                args.append(("default", None))
+            else:
+                raise _Unsupported(f"{target}: no value for {argument.name}")
+        returns = schema.returns
+        getitems = [user for user in node.users if user.target is operator.getitem]
+        others = [user for user in node.users if user.target is not operator.getitem]
+        outs = [-1] * len(returns)
+        if len(returns) == 1 and _list_kind(str(returns[0].type)) is not None:
+            if others:
+                outs[0] = self.slot[node] = self.new()
+            self.elements[node] = {}
+        elif len(returns) == 1:
+            if node.users:
+                outs[0] = self.slot[node] = self.new()
+        else:
+            if others:
+                raise _Unsupported(f"the returns of {target} used together")
+            self.returns[node] = outs
+        if getitems and node not in self.elements and node not in self.returns:
+            raise _Unsupported(f"getitem of the one return of {target}")
+        self.at[node] = len(self.instructions)
+        self.instructions.append([target._schema.name, target._schema.overload_name or "", args, outs, [], [],
+                                  self.direct(node)])
+
+    def getitem(self, node: Node) -> None:
+        source, index = node.args if len(node.args) == 2 and not node.kwargs else (None, None)
+        if type(index) is not int or not isinstance(source, Node) or index < 0:
+            raise _Unsupported("a getitem the executor does not read")
+        if source in self.returns:
+            outs = self.returns[source]
+            if index >= len(outs):
+                raise _Unsupported("getitem beyond the returns")
+            if outs[index] < 0:
+                outs[index] = self.new()
+            self.slot[node] = outs[index]
+        elif source in self.elements:
+            elements = self.elements[source]
+            if index not in elements:
+                elements[index] = self.new()
+                self.instructions[self.at[source]][4].append((index, elements[index]))
+            self.slot[node] = elements[index]
+        else:
+            raise _Unsupported(f"getitem of {source}")
+
+    def direct(self, node: Node) -> Optional[tuple]:
+        """(entry, args, out_dtype, order, moved) of the straight call of a fused op's C++ entry, or None."""
+        from . import codegen
+
+        fact = self.facts.get(node.name)
+        if fact is None:
+            return None
+        target = node.target
+        if target is aten.linear.default:
+            if node.kwargs or not 2 <= len(node.args) <= 3 or not codegen._cpp_enabled():
+                return None
+            arguments = target._schema.arguments
+            values = [self.encode(a, str(arguments[i].type)) for i, a in enumerate(node.args)]
+            return ("linear", values + [("const", None)] * (3 - len(values)), None, None, [])
+        plan = codegen._direct_plan(node, fact)
+        if plan is None:
+            return None
+        from mindiesd.ops import _layout
+
+        arguments = target._schema.arguments
+        values = []
+        for position, (kind, where) in enumerate(plan.picks):
+            type_text = str(arguments[position].type)
+            if kind == "arg":
+                values.append(self.encode(node.args[where], type_text))
+            elif kind == "kwarg":
+                values.append(self.encode(node.kwargs[where], type_text))
+            else:
+                values.append(("const", where))
+        moved: List[int] = []
+        if plan.order is not None:
+            name = plan.name
+            every = set(_layout._TABLE_ARGS[name]) | ({0} if name in _layout.ROW_OPS else set())
+            moved = sorted(i for i in every if i < len(plan.picks))
+        return (plan.name, values, plan.out_dtype, list(plan.order) if plan.order is not None else None, moved)
+
+
+def _take(args: List[Tuple[str, Any]], slot: int) -> None:
+    """Marks the read of ``slot`` in a boxed call's ``args`` as its last (the value moves into the call) where it is
+    the call's only read of it."""
+    reads = [i for i, (kind, value) in enumerate(args) if kind == "slot" and value == slot]
+    in_lists = any(kind in ("tensors", "optional_tensors") and slot in value for kind, value in args)
+    if len(reads) == 1 and not in_lists:
+        args[reads[0]] = ("take", slot)
+
+
+def instructions(gm: GraphModule, facts: Mapping[str, Any]) -> Optional[Tuple[int, List[int], list, List[int],
+                                                                                 bool, bool, List[str]]]:
+    """What the ``Program`` of ``gm`` is built from: (slot count, input slots, instructions, output slots, whether
+    the output is a list, whether the ops may run below autograd, the ``get_attr`` targets read after the
+    placeholders), or None where the executor does not run the graph (see the module doc)."""
+    nodes = list(gm.graph.nodes)
+    builder = _Builder(gm, facts)
+    placeholders: List[int] = []
+    attributes: List[Tuple[int, str]] = []
+    outputs: Optional[List[int]] = None
+    output_is_list = False
+    try:
+        for node in nodes:
+            if node.op == "placeholder":
+                if node.args or node.kwargs:
+                    return None
+                builder.slot[node] = builder.new()
+                placeholders.append(builder.slot[node])
+            elif node.op == "get_attr":
+                builder.slot[node] = builder.new()
+                attributes.append((builder.slot[node], node.target))
+            elif node.op == "call_function" and node.target is operator.getitem:
+                builder.getitem(node)
+            elif node.op == "call_function" and type(node.target) is torch._ops.OpOverload:
+                builder.operator(node)
+            elif node.op == "output":
+                value = node.args[0]
+                if not isinstance(value, (list, tuple)):
+                    return None
+                output_is_list = isinstance(value, list)
+                outputs = []
+                for item in value:
+                    if item is None:
+                        outputs.append(-1)
+                    elif isinstance(item, Node) and item in builder.slot:
+                        outputs.append(builder.slot[item])
+                    else:
+                        return None
+            else:
+                return None
+    except _Unsupported as exc:
+        log.debug("the executor does not run this graph: %s", exc)
+        return None
+    if outputs is None:
+        return None
+    kept = set(outputs)
+    last: Dict[int, int] = {}
+    for index, instruction in enumerate(builder.instructions):
+        direct = instruction[6]
+        for kind, value in instruction[2] + (direct[1] if direct else []):
+            if kind == "slot":
+                last[value] = index
+            elif kind in ("tensors", "optional_tensors"):
+                for slot in value:
+                    if slot >= 0:
+                        last[slot] = index
+        for slot in instruction[3] + [slot for _, slot in instruction[4]]:  # a value nobody reads
+            if slot >= 0:
+                last.setdefault(slot, index)
+    for slot, index in last.items():
+        if slot not in kept:
+            builder.instructions[index][5].append(slot)
+            _take(builder.instructions[index][2], slot)
+    inputs = placeholders + [slot for slot, _ in attributes]
+    return (builder.count, inputs, [tuple(i) for i in builder.instructions], outputs, output_is_list,
+            _writes_own_buffers(nodes), [target for _, target in attributes])
+
+
+class Executed:
+    """The runner of a graph through the C++ executor, built on its first call; ``fallback`` (the generated runner)
+    runs where the executor does not (see the module doc). Its attributes are the fallback's."""
+
+    def __init__(self, gm: GraphModule, facts: Mapping[str, Any], fallback: Callable[..., Any]):
+        self.gm, self.facts, self.fallback = gm, dict(facts), fallback
+        self.program: Any = None  # None: not built yet; False: not run here
+        self.attributes: List[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("gm", "facts", "fallback", "program", "attributes"):
+            raise AttributeError(name)
+        return getattr(self.fallback, name)
+
+    def _build(self, args: Tuple[Any, ...] = ()) -> Any:
+        from . import codegen
+        from mindiesd.ops.kernels import cpp_build
+
+        self.program = False
+        if not all(arg is None or isinstance(arg, (torch.Tensor, bool, int, float)) for arg in args):
+            return False
+        module = cpp_build._extension if cpp_build._resolved else cpp_build.extension()
+        if module is None or not hasattr(module, "Program"):
+            return False
+        spec = instructions(self.gm, self.facts)
+        if spec is None:
+            return False
+        count, inputs, program, outputs, output_is_list, below, attributes = spec
+        try:
+            built = module.Program(count, inputs, list(program), outputs, output_is_list, below)
+        except Exception as exc:  # noqa: BLE001  (a constant or schema it cannot take: the generated runner)
+            log.debug("executor program not built (%s: %s); the generated runner runs", type(exc).__name__, exc)
+            return False
+        self.attributes = [codegen._Attribute(target) for target in attributes]
+        self.program = built
+        return built
+
+    def __call__(self, *args: Any) -> Any:
+        program = self.program
+        if program is None:
+            program = self._build(args)
+        if program is False or _profiling():
+            return self.fallback(*args)
+        if self.attributes:
+            args = (*args, *(attribute(self.gm) for attribute in self.attributes))
+        return program.run(args)
+
+    def bound(self, main_inputs: List[int], folded_for: Callable[[Tuple[Any, ...]], Tuple[Any, ...]]) -> "Bound":
+        """The call on a frozen graph's original inputs (``FrozenGraph.bind``): the folded constants of these
+        weights, then the arguments at ``main_inputs``, chosen in C++."""
+        return Bound(self, list(main_inputs), folded_for, False)
+
+    def inference(self) -> "Bound":
+        """This call with grad mode off (what ``cache.inference_call`` makes of a runner), switched in C++."""
+        return Bound(self, None, None, True)
+
+
+class Bound:
+    """An :class:`Executed` runner called on other inputs than its graph's: a frozen graph's original inputs
+    (``selection``: the positions main reads, after the folded constants ``folded_for`` returns) and/or with grad
+    mode off (``no_grad``). The program chooses the inputs and switches grad mode itself; where the executor does
+    not run, the same call goes through Python."""
+
+    def __init__(self, executed: Executed, selection: Optional[List[int]],
+                 folded_for: Optional[Callable[[Tuple[Any, ...]], Tuple[Any, ...]]], no_grad: bool):
+        self.executed, self.selection, self.folded_for, self.no_grad = executed, selection, folded_for, no_grad
+        self.ready = False  # the program has this selection
+
+    def inference(self) -> "Bound":
+        return Bound(self.executed, self.selection, self.folded_for, True)
+
+    def _slow(self, args: Tuple[Any, ...]) -> Any:
+        if self.selection is not None:
+            args = (*self.folded_for(args), *[args[i] for i in self.selection])
+        if self.no_grad:
+            with torch.no_grad():
+                return self.executed(*args)
+        return self.executed(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.ready or _profiling():
+            return self._first(args)
+        if self.selection is None:
+            return self.executed.program.run(args, self.no_grad)
+        return self.executed.program.run_selected(self.folded_for(args), args, self.no_grad)
+
+    def _first(self, args: Tuple[Any, ...]) -> Any:
+        executed = self.executed
+        result = self._slow(args)  # builds the program on the first call
+        if executed.program is not False and not executed.attributes and not _profiling():
+            if self.selection is not None:
+                executed.program.selection = self.selection
+            self.ready = True
+        return result
+
+    @property
+    def runs_in_cpp(self) -> bool:
+        """Whether calls run through the C++ executor (builds the program when it has not been built)."""
+        program = self.program if self.program is not None else self._build()
+        return program is not False

@@ -1,0 +1,494 @@
+// executor: runs a fused graph whose shapes are static as one call from
+// Python.  The graph arrives once, as a list of instructions built by
+// mindiesd/compilation/executor.py: per node, the operator's handle, where each
+// of its schema arguments comes from (a value slot, a list of slots, or a
+// constant converted once to the schema's type), the slots its returns go to
+// and the slots released after it.  A run fills the input slots, calls each
+// operator through the dispatcher's boxed entry (what a Python call of the op
+// reaches, without parsing Python arguments or wrapping every result in a
+// Python object) and returns the output values.  A fused op with a C++ CPU
+// kernel calls that kernel's entry point straight, as the generated Python
+// runner does; where the entry declines the form (nullopt) or throws, the op's
+// own boxed call runs, which raises its own error.
+//
+// Views and out= writes run below the autograd and view-tracking layers
+// (AutoDispatchBelowADInplaceOrView) only where that changes nothing: grad
+// mode is off and every write in place of the graph goes into a buffer the
+// graph allocated itself (the builder checks the second).  The GIL is released
+// while the operators run; kernels written in Python take it back themselves.
+
+#include "kernels.h"
+
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace mindiesd_cpu {
+namespace {
+
+using at::Tensor;
+using c10::IValue;
+
+// Where an argument's value comes from.
+struct Arg {
+  // kTake: a slot's last read, moved rather than copied into the boxed call's stack
+  enum Kind : int8_t { kSlot, kTake, kConst, kTensors, kOptionalTensors } kind = kConst;
+  int64_t slot = -1;           // kSlot / kTake
+  IValue value;                // kConst
+  std::vector<int64_t> slots;  // kTensors / kOptionalTensors (-1: None)
+};
+
+// The fused ops whose entry points the executor calls straight (kernels.h).
+enum class Entry : int {
+  kNone = -1,
+  kRmsNorm,
+  kAdaLayerNorm,
+  kRope,
+  kNormRope,
+  kGlu,
+  kFastGelu,
+  kLinear,
+  kCatLinear,
+  kLinearGelu,
+  kMulAdd,
+};
+
+Entry entry_named(const std::string& name) {
+  static const std::pair<const char*, Entry> kNames[] = {
+      {"rms_norm", Entry::kRmsNorm}, {"adalayernorm", Entry::kAdaLayerNorm}, {"rope", Entry::kRope},
+      {"norm_rope", Entry::kNormRope}, {"glu", Entry::kGlu}, {"fast_gelu", Entry::kFastGelu},
+      {"linear", Entry::kLinear}, {"cat_linear", Entry::kCatLinear}, {"linear_gelu", Entry::kLinearGelu},
+      {"mul_add", Entry::kMulAdd}};
+  for (const auto& [known, entry] : kNames) {
+    if (name == known) {
+      return entry;
+    }
+  }
+  throw std::invalid_argument("no C++ entry point named " + name);
+}
+
+struct Instruction {
+  std::optional<c10::OperatorHandle> op;
+  std::vector<Arg> args;                 // one per schema argument, in order
+  std::vector<int64_t> outs;             // one per return (-1: not kept)
+  std::vector<std::pair<int64_t, int64_t>> unpack;  // (element, slot) of a list returned first
+  std::vector<int64_t> frees;            // slots released after this instruction
+  Entry entry = Entry::kNone;            // the straight call, where there is one
+  std::vector<Arg> direct;               // its arguments
+  std::optional<at::ScalarType> out_dtype;
+  std::vector<int64_t> order, inverse;   // a result not row-major: the adapter's permutations
+  std::vector<int64_t> moved;            // direct arguments permuted into the result's order
+};
+
+const Tensor& tensor_at(const std::vector<IValue>& slots, int64_t slot) {
+  return slots[slot].toTensor();
+}
+
+std::optional<Tensor> optional_tensor(const IValue& value) {
+  if (value.isNone()) {
+    return std::nullopt;
+  }
+  return value.toTensor();
+}
+
+class Program {
+ public:
+  Program(int64_t slot_count, std::vector<int64_t> inputs, py::list instructions, py::list outputs,
+          bool output_is_list, bool below_autograd_allowed)
+      : slot_count_(slot_count),
+        inputs_(std::move(inputs)),
+        output_is_list_(output_is_list),
+        below_autograd_allowed_(below_autograd_allowed) {
+    for (const auto& item : instructions) {
+      program_.push_back(instruction(py::reinterpret_borrow<py::tuple>(item)));
+    }
+    for (const auto& item : outputs) {
+      outputs_.push_back(py::cast<int64_t>(item));
+    }
+  }
+
+  void set_selection(std::vector<int64_t> selection) {
+    selection_ = std::move(selection);
+  }
+
+  const std::vector<int64_t>& selection() const {
+    return selection_;
+  }
+
+  int64_t direct_calls() const {
+    return direct_calls_.load(std::memory_order_relaxed);
+  }
+
+  int64_t size() const {
+    return static_cast<int64_t>(program_.size());
+  }
+
+  py::object run(const py::tuple& args, bool no_grad) const {
+    if (static_cast<int64_t>(args.size()) != static_cast<int64_t>(inputs_.size())) {
+      throw std::invalid_argument("the executor's program takes " + std::to_string(inputs_.size()) +
+                                  " inputs, got " + std::to_string(args.size()));
+    }
+    std::vector<IValue> slots(slot_count_);
+    for (size_t i = 0; i < inputs_.size(); ++i) {
+      slots[inputs_[i]] = input(args[i]);
+    }
+    return execute_all(slots, no_grad);
+  }
+
+  // The inputs chosen as a frozen graph's bound call does (freezing.py): the folded constants first, then the
+  // arguments at the selected positions; with grad mode off where ``no_grad`` (an inference call).
+  py::object run_selected(const py::tuple& folded, const py::tuple& args, bool no_grad) const {
+    const std::vector<int64_t>& selection = selection_;
+    const size_t count = folded.size() + selection.size();
+    if (count != inputs_.size()) {
+      throw std::invalid_argument("the executor's program takes " + std::to_string(inputs_.size()) +
+                                  " inputs, got " + std::to_string(count));
+    }
+    std::vector<IValue> slots(slot_count_);
+    for (size_t i = 0; i < folded.size(); ++i) {
+      slots[inputs_[i]] = input(folded[i]);
+    }
+    const int64_t available = static_cast<int64_t>(args.size());
+    for (size_t i = 0; i < selection.size(); ++i) {
+      const int64_t index = selection[i];
+      if (index < 0 || index >= available) {
+        throw std::out_of_range("selected argument " + std::to_string(index) + " of " + std::to_string(available));
+      }
+      slots[inputs_[folded.size() + i]] = input(args[index]);
+    }
+    return execute_all(slots, no_grad);
+  }
+
+ private:
+  py::object execute_all(std::vector<IValue>& slots, bool no_grad) const {
+    {
+      py::gil_scoped_release no_gil;
+      std::optional<at::NoGradGuard> grad_off;
+      if (no_grad) {
+        grad_off.emplace();
+      }
+      const bool below = below_autograd_allowed_ && !at::GradMode::is_enabled();
+      std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
+      if (below) {
+        guard.emplace();
+      }
+      torch::jit::Stack stack;
+      stack.reserve(16);
+      for (const Instruction& in : program_) {
+        execute(in, slots, stack);
+      }
+    }
+    py::tuple result(outputs_.size());
+    for (size_t i = 0; i < outputs_.size(); ++i) {
+      const int64_t slot = outputs_[i];
+      result[i] = slot < 0 ? py::none() : torch::jit::toPyObject(slots[slot]);
+    }
+    if (output_is_list_) {
+      return py::list(result);
+    }
+    return std::move(result);
+  }
+
+  // A graph input: a tensor, or a number, bool or None of a graph with static shapes.
+  static IValue input(const py::handle& obj) {
+    PyObject* ptr = obj.ptr();
+    if (THPVariable_Check(ptr)) {
+      return THPVariable_Unpack(ptr);
+    }
+    if (obj.is_none()) {
+      return IValue();
+    }
+    if (PyBool_Check(ptr)) {
+      return py::cast<bool>(obj);
+    }
+    if (PyLong_Check(ptr)) {
+      return py::cast<int64_t>(obj);
+    }
+    if (PyFloat_Check(ptr)) {
+      return py::cast<double>(obj);
+    }
+    throw std::invalid_argument("the executor takes tensors, numbers, bools and None as inputs");
+  }
+
+  static Arg argument(const py::handle& spec, const c10::TypePtr& type) {
+    const auto tuple = py::reinterpret_borrow<py::tuple>(spec);
+    const auto kind = py::cast<std::string>(tuple[0]);
+    Arg arg;
+    if (kind == "slot" || kind == "take") {
+      arg.kind = kind == "slot" ? Arg::kSlot : Arg::kTake;
+      arg.slot = py::cast<int64_t>(tuple[1]);
+    } else if (kind == "const") {
+      arg.kind = Arg::kConst;
+      arg.value = torch::jit::toIValue(tuple[1], type);
+    } else if (kind == "number") {
+      // a Python number where the schema takes a tensor: the 0-dim "wrapped number" that Python's argument
+      // parser makes of it, which type promotion treats as a scalar
+      arg.kind = Arg::kConst;
+      const py::handle number = tuple[1];
+      at::Tensor wrapped;
+      if (PyBool_Check(number.ptr())) {
+        wrapped = at::scalar_to_tensor(c10::Scalar(py::cast<bool>(number)));
+      } else if (PyLong_Check(number.ptr())) {
+        wrapped = at::scalar_to_tensor(c10::Scalar(py::cast<int64_t>(number)));
+      } else {
+        wrapped = at::scalar_to_tensor(c10::Scalar(py::cast<double>(number)));
+      }
+      wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
+      arg.value = std::move(wrapped);
+    } else if (kind == "tensors" || kind == "optional_tensors") {
+      arg.kind = kind == "tensors" ? Arg::kTensors : Arg::kOptionalTensors;
+      arg.slots = py::cast<std::vector<int64_t>>(tuple[1]);
+    } else {
+      throw std::invalid_argument("unknown argument kind " + kind);
+    }
+    return arg;
+  }
+
+  static Instruction instruction(const py::tuple& spec) {
+    // (name, overload, args, outs, unpack, frees, direct)
+    Instruction in;
+    const auto name = py::cast<std::string>(spec[0]);
+    const auto overload = py::cast<std::string>(spec[1]);
+    in.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    const auto& schema = in.op->schema();
+    const auto args = py::reinterpret_borrow<py::list>(spec[2]);
+    const auto& arguments = schema.arguments();
+    if (args.size() != arguments.size()) {
+      throw std::invalid_argument(name + "." + overload + ": " + std::to_string(args.size()) +
+                                  " arguments for a schema of " + std::to_string(arguments.size()));
+    }
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const auto tuple = py::reinterpret_borrow<py::tuple>(args[i]);
+      if (py::cast<std::string>(tuple[0]) == "default") {
+        if (!arguments[i].default_value().has_value()) {
+          throw std::invalid_argument(name + ": no default for " + arguments[i].name());
+        }
+        Arg arg;
+        arg.value = *arguments[i].default_value();
+        in.args.push_back(std::move(arg));
+      } else {
+        in.args.push_back(argument(tuple, arguments[i].type()));
+      }
+    }
+    in.outs = py::cast<std::vector<int64_t>>(spec[3]);
+    if (in.outs.size() != schema.returns().size()) {
+      throw std::invalid_argument(name + ": return slots do not match the schema");
+    }
+    in.unpack = py::cast<std::vector<std::pair<int64_t, int64_t>>>(spec[4]);
+    in.frees = py::cast<std::vector<int64_t>>(spec[5]);
+    if (!spec[6].is_none()) {
+      // (entry name, args, out_dtype or None, order or None, moved)
+      const auto direct = py::reinterpret_borrow<py::tuple>(spec[6]);
+      in.entry = entry_named(py::cast<std::string>(direct[0]));
+      // the entry takes the schema's leading arguments, in order
+      const auto picks = py::reinterpret_borrow<py::list>(direct[1]);
+      if (picks.size() > arguments.size()) {
+        throw std::invalid_argument(name + ": more entry arguments than schema arguments");
+      }
+      for (size_t i = 0; i < picks.size(); ++i) {
+        in.direct.push_back(argument(picks[i], arguments[i].type()));
+      }
+      if (!direct[2].is_none()) {
+        in.out_dtype = torch::jit::toIValue(direct[2], c10::IntType::get()).toScalarType();
+      }
+      if (!direct[3].is_none()) {
+        in.order = py::cast<std::vector<int64_t>>(direct[3]);
+        in.inverse.assign(in.order.size(), 0);
+        for (size_t position = 0; position < in.order.size(); ++position) {
+          in.inverse[in.order[position]] = static_cast<int64_t>(position);
+        }
+        in.moved = py::cast<std::vector<int64_t>>(direct[4]);
+      }
+    }
+    return in;
+  }
+
+  static IValue value_of(const Arg& arg, const std::vector<IValue>& slots) {
+    switch (arg.kind) {
+      case Arg::kSlot:
+      case Arg::kTake:
+        return slots[arg.slot];
+      case Arg::kConst:
+        return arg.value;
+      case Arg::kTensors: {
+        c10::List<Tensor> list;
+        list.reserve(arg.slots.size());
+        for (const int64_t slot : arg.slots) {
+          list.push_back(tensor_at(slots, slot));
+        }
+        return list;
+      }
+      case Arg::kOptionalTensors: {
+        c10::List<std::optional<Tensor>> list;
+        list.reserve(arg.slots.size());
+        for (const int64_t slot : arg.slots) {
+          list.push_back(slot < 0 ? std::optional<Tensor>() : std::optional<Tensor>(tensor_at(slots, slot)));
+        }
+        return list;
+      }
+    }
+    return IValue();
+  }
+
+  // The straight call of a fused op's entry point; nullopt where it declines the form or throws.
+  static std::optional<Tensor> call_entry(const Instruction& in, std::vector<IValue> values) {
+    if (!in.order.empty()) {
+      const int64_t rank = static_cast<int64_t>(in.order.size());
+      for (const int64_t index : in.moved) {
+        if (index < static_cast<int64_t>(values.size()) && values[index].isTensor()) {
+          Tensor value = values[index].toTensor();
+          while (value.dim() < rank) {
+            value = value.unsqueeze(0);
+          }
+          values[index] = value.permute(in.order);
+        }
+      }
+    }
+    const auto& v = values;
+    const auto dtype = [&]() { return *in.out_dtype; };
+    std::optional<Tensor> result;
+    try {
+      switch (in.entry) {
+        case Entry::kRmsNorm:
+          result = mindiesd_cpu::rms_norm(v[0].toTensor(), optional_tensor(v[1]), v[2].toDouble(), dtype());
+          break;
+        case Entry::kAdaLayerNorm:
+          result = mindiesd_cpu::adalayernorm(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), v[3].toDouble(), dtype());
+          break;
+        case Entry::kRope:
+          result = mindiesd_cpu::rope(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), v[3].toBool(), dtype());
+          break;
+        case Entry::kNormRope: {
+          std::vector<std::optional<Tensor>> weights;
+          for (const auto& weight : v[2].toListRef()) {
+            weights.push_back(optional_tensor(weight));
+          }
+          const std::optional<at::ScalarType> norm_dtype =
+              v[4].isNone() ? std::nullopt : std::optional<at::ScalarType>(v[4].toScalarType());
+          result = mindiesd_cpu::norm_rope(v[0].toTensorVector(), v[1].toInt(), weights, v[3].toDouble(), norm_dtype,
+                             v[5].toInt(), v[6].toTensor(), v[7].toTensor(), v[8].toBool(), dtype());
+          break;
+        }
+        case Entry::kGlu:
+          result = mindiesd_cpu::glu(v[0].toTensor(), optional_tensor(v[1]), v[2].toStringRef(), v[3].toBool());
+          break;
+        case Entry::kFastGelu:
+          result = mindiesd_cpu::fast_gelu(v[0].toTensor());
+          break;
+        case Entry::kLinear:
+          result = mindiesd_cpu::linear(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]));
+          break;
+        case Entry::kCatLinear:
+          result = mindiesd_cpu::cat_linear(v[0].toTensorVector(), v[1].toTensor(), optional_tensor(v[2]));
+          break;
+        case Entry::kLinearGelu:
+          result = mindiesd_cpu::linear_gelu(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]));
+          break;
+        case Entry::kMulAdd:
+          result = mindiesd_cpu::mul_add(v[0].toTensor(), v[1].toTensor(), v[2].toTensor());
+          break;
+        case Entry::kNone:
+          break;
+      }
+    } catch (const std::exception&) {
+      return std::nullopt;  // the op's own path runs, and raises its own error where there is one
+    }
+    if (result.has_value() && !in.order.empty()) {
+      result = result->permute(in.inverse);
+    }
+    return result;
+  }
+
+  void execute(const Instruction& in, std::vector<IValue>& slots, torch::jit::Stack& stack) const {
+    bool done = false;
+    if (in.entry != Entry::kNone) {
+      std::vector<IValue> values;
+      values.reserve(in.direct.size());
+      for (const Arg& arg : in.direct) {
+        values.push_back(value_of(arg, slots));
+      }
+      std::optional<Tensor> result = call_entry(in, std::move(values));
+      if (result.has_value()) {
+        direct_calls_.fetch_add(1, std::memory_order_relaxed);
+        if (in.outs[0] >= 0) {
+          slots[in.outs[0]] = std::move(*result);
+        }
+        done = true;
+      }
+    }
+    if (!done) {
+      stack.clear();
+      for (const Arg& arg : in.args) {
+        if (arg.kind == Arg::kSlot) {
+          stack.push_back(slots[arg.slot]);
+        } else if (arg.kind == Arg::kTake) {
+          stack.push_back(std::move(slots[arg.slot]));
+        } else if (arg.kind == Arg::kConst) {
+          stack.push_back(arg.value);
+        } else {
+          stack.push_back(value_of(arg, slots));
+        }
+      }
+      in.op->callBoxed(stack);
+      if (!in.unpack.empty()) {
+        const auto list = stack[0].toListRef();
+        for (const auto& [element, slot] : in.unpack) {
+          slots[slot] = list[element];
+        }
+      }
+      for (size_t i = 0; i < in.outs.size() && i < stack.size(); ++i) {
+        if (in.outs[i] >= 0) {
+          slots[in.outs[i]] = std::move(stack[i]);
+        }
+      }
+      stack.clear();
+    } else if (!in.unpack.empty()) {
+      throw std::logic_error("a straight call returns one tensor");
+    }
+    for (const int64_t slot : in.frees) {
+      slots[slot] = IValue();
+    }
+  }
+
+  int64_t slot_count_;
+  std::vector<int64_t> inputs_;
+  std::vector<Instruction> program_;
+  std::vector<int64_t> outputs_;
+  std::vector<int64_t> selection_;  // run_selected: the arguments read after the folded constants
+  mutable std::atomic<int64_t> direct_calls_{0};  // fused ops run through their entry points, all runs
+  bool output_is_list_;
+  bool below_autograd_allowed_;
+};
+
+}  // namespace
+
+void bind_executor(py::module_& m) {
+  py::class_<Program, std::shared_ptr<Program>>(
+      m, "Program", "A fused graph with static shapes as instructions run from C++ (compilation/executor.py).")
+      .def(py::init<int64_t, std::vector<int64_t>, py::list, py::list, bool, bool>(), py::arg("slot_count"),
+           py::arg("inputs"), py::arg("instructions"), py::arg("outputs"), py::arg("output_is_list"),
+           py::arg("below_autograd_allowed"))
+      .def("run", &Program::run, py::arg("args"), py::arg("no_grad") = false)
+      .def("run_selected", &Program::run_selected, py::arg("folded"), py::arg("args"), py::arg("no_grad"))
+      .def_property("selection", &Program::selection, &Program::set_selection)
+      .def_property_readonly("direct_calls", &Program::direct_calls,
+                             "Fused ops and linear layers run through their C++ entry points, over all runs.")
+      .def("__len__", &Program::size);
+}
+
+}  // namespace mindiesd_cpu

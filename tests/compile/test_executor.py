@@ -1,0 +1,285 @@
+"""The C++ executor of fused graphs (``compilation/executor.py``, ``ops/_cpp/executor.cpp``): it runs every registry
+model's graph, bit for bit what the generated Python runner computes; it keeps that runner where it cannot run a
+graph (symbolic sizes, a profiler recording, no C++ kernels), and calls Python kernels, autograd and writes in
+place as a Python call of each op would."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_utils import assert_close, run_compiled
+from mindiesd import zoo
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning, codegen, executor
+from mindiesd.ops.kernels import cpp_build
+
+needs_program = pytest.mark.skipif(
+    not executor.enabled() or getattr(cpp_build.extension(), "Program", None) is None,
+    reason="no C++ kernels extension (or MINDIESD_EXECUTOR=0) in this process")
+
+
+class _Outcomes(list):
+    def __init__(self):
+        super().__init__()
+        self.runners = []
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Whether each Executed runner built its program (True) or kept the generated runner (False)."""
+    outcomes = _Outcomes()
+    real = executor.Executed._build
+
+    def recording(self, args=()):
+        program = real(self, args)
+        outcomes.runners.append(self)
+        # a graph Dynamo made with symbolic sizes keeps the generated runner: it counts as run if it is one
+        outcomes.append(program is not False or _symbolic(self.gm))
+        return program
+
+    monkeypatch.setattr(executor.Executed, "_build", recording)
+    return outcomes
+
+
+def _symbolic(gm):
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and (isinstance(value, torch.SymInt) or isinstance(value, torch.Tensor) and any(
+                not isinstance(size, int) for size in value.shape)):
+            return True
+    return False
+
+
+def _compiled_output(case, monkeypatch, use_executor):
+    monkeypatch.setenv(executor.ENV, "1" if use_executor else "0")
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        compiled = torch.compile(case.model, backend=backend)
+        first = compiled(**case.inputs)[0]
+        second = compiled(**case.inputs)[0]  # the fast path, after the first call built the program
+    torch._dynamo.reset()
+    return first, second
+
+
+@needs_program
+@pytest.mark.parametrize("name", zoo.names(size="tiny"))
+def test_every_registry_model_runs_in_the_executor_bit_for_bit_as_the_python_runner(name, builds, monkeypatch):
+    case = zoo.build(name, "tiny")
+    with torch.no_grad():
+        expected = case.model(**case.inputs)[0]
+    python_first, python_second = _compiled_output(case, monkeypatch, use_executor=False)
+    assert builds == []  # no Executed runner at all
+    first, second = _compiled_output(case, monkeypatch, use_executor=True)
+    assert builds and all(builds), f"{name}: the executor did not run its graph"
+    assert torch.equal(first, python_first) and torch.equal(second, python_second)
+    assert_close(second, expected)
+
+
+@needs_program
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flux_in_the_executor_fuses_and_matches_eager(dtype, builds, monkeypatch):
+    case = zoo.build("flux", "tiny", dtype=dtype)
+    with torch.no_grad():
+        expected = case.model(**case.inputs)[0]
+    first, second = _compiled_output(case, monkeypatch, use_executor=True)
+    assert builds and all(builds)
+    assert torch.equal(first, second)
+    assert_close(second, expected)
+
+
+def _block(x, w, scale, shift, gate):
+    h = F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
+    h = F.layer_norm(h, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift
+    return x + gate * F.gelu(h, approximate="tanh")
+
+
+def _block_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*shape, generator=g).to(dtype)
+                 for shape in ((2, 8, 32), (32,), (2, 1, 32), (2, 1, 32), (2, 1, 32)))
+
+
+@needs_program
+def test_fused_block_runs_in_the_executor_with_its_fused_ops(builds):
+    args = _block_inputs()
+    with torch.no_grad():
+        actual, expected, counts, _ = run_compiled(_block, *args)
+    assert builds == [True]
+    assert builds.runners[0].program.direct_calls == 4  # every fused op through its C++ entry point
+    assert counts["rms_norm"] == 1 and counts["adalayernorm"] == 1 and counts["fast_gelu"] == 1 \
+        and counts["mul_add"] == 1
+    assert_close(actual, expected)
+
+
+@needs_program
+class _Linears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 96), torch.nn.Linear(96, 32)
+
+    def forward(self, x):
+        return self.b(torch.sigmoid(self.a(x)))
+
+
+@needs_program
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_layers_run_their_cpp_entry_with_torch_linear_bits(dtype, builds):
+    model = _Linears().to(dtype)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(6)).to(dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=MindieSDBackend(CompilationConfig(cache_dir=None)), fullgraph=True)
+    with torch.no_grad():
+        expected = model(x)
+        runs = [compiled(x) for _ in range(3)]
+    assert builds == [True] and builds.runners[0].program.direct_calls == 2 * 3
+    assert all(torch.equal(run, expected) for run in runs)
+
+
+def test_symbolic_sizes_keep_the_generated_runner(builds):
+    args = _block_inputs()
+    with torch.no_grad():
+        actual, expected, _, backend = run_compiled(_block, *args, dynamic=True)
+    assert len(builds) == 1 and _symbolic(backend.graphs[0])
+    assert_close(actual, expected)
+    assert executor.instructions(backend.graphs[0], {}) is None
+
+
+@needs_program
+def test_a_profiler_sees_every_op_through_the_dispatcher(builds):
+    args = _block_inputs()
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None))
+    compiled = torch.compile(_block, backend=backend)
+    with torch.no_grad():
+        compiled(*args)
+        compiled(*args)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            profiled = compiled(*args)
+        after = compiled(*args)
+    names = {event.name for event in prof.events()}
+    assert {"mindiesd::adalayernorm", "mindiesd::mul_add"} <= names
+    assert builds == [True] and torch.equal(profiled, after)
+
+
+def test_executor_off_by_environment_keeps_the_generated_runner(builds, monkeypatch):
+    monkeypatch.setenv(executor.ENV, "0")
+    args = _block_inputs()
+    with torch.no_grad():
+        actual, expected, _, backend = run_compiled(_block, *args)
+    assert builds == []
+    assert not isinstance(codegen.runner(backend.graphs[0]), executor.Executed)
+    assert_close(actual, expected)
+
+
+@needs_program
+def test_python_numbers_promote_as_scalars(builds):
+    """``x * 1000`` with an int64 ``x`` stays int64 and ``x * 2.5`` becomes float32 (not float64): the executor
+    passes a Python number where a schema takes a tensor as the wrapped number Python's parser makes of it."""
+
+    def scaled(x, y):
+        return x * 1000 + 1, y * 2.5, (y * 3).sum(-1)
+
+    x, y = torch.arange(6).reshape(2, 3), torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    torch._dynamo.reset()
+    compiled = torch.compile(scaled, backend=MindieSDBackend(CompilationConfig(cache_dir=None)))
+    with torch.no_grad():
+        compiled(x, y)
+        actual = compiled(x, y)
+    expected = scaled(x, y)
+    assert builds == [True]
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+@torch.library.custom_op("mindiesd_test::python_scale", mutates_args=())
+def _python_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+@_python_scale.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+@needs_program
+def test_an_op_implemented_in_python_runs_from_the_executor(builds):
+    """The executor releases the GIL while the ops run; an op whose kernel is Python takes it back."""
+
+    def f(x):
+        return _python_scale(torch.sin(x), 3.0) + 1
+
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=MindieSDBackend(CompilationConfig(cache_dir=None)), fullgraph=True)
+    with torch.no_grad():
+        compiled(x)
+        actual = compiled(x)
+    assert builds == [True]
+    assert torch.equal(actual, f(x))
+
+
+@needs_program
+def test_grad_mode_on_runs_the_forward_through_autograd(builds):
+    """With grad mode on, the executor calls each op through autograd (no below-autograd shortcut): the graph's
+    outputs keep what backward needs, and the gradients are eager's."""
+    args = [a.clone().requires_grad_(True) for a in _block_inputs()]
+    torch._dynamo.reset()
+    compiled = torch.compile(_block, backend=MindieSDBackend(CompilationConfig(cache_dir=None)))
+    out = compiled(*args)
+    out.square().sum().backward()
+    grads = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    _block(*args).square().sum().backward()
+    for actual, a in zip(grads, args):
+        torch.testing.assert_close(actual, a.grad, rtol=1e-4, atol=1e-4)
+
+
+def _graph(fn, *args):
+    return torch.fx.experimental.proxy_tensor.make_fx(fn)(*args)
+
+
+def test_writes_into_an_input_rule_out_the_below_autograd_shortcut():
+    def own_buffer(x):
+        out = torch.empty_like(x)
+        torch.mul(x, 2, out=out)
+        return (out,)
+
+    def into_input(x, y):
+        y.add_(x)
+        return (y * 2,)
+
+    x = torch.randn(3, 4)
+    own = executor.instructions(_graph(own_buffer, x), {})
+    assert own is not None and own[5] is True
+    written = executor.instructions(_graph(into_input, x, x.clone()), {})
+    assert written is not None and written[5] is False
+
+
+def test_a_graph_with_a_python_callable_keeps_the_generated_runner():
+    gm = torch.fx.symbolic_trace(lambda x: (torch.sin(x) + 1,))
+    assert executor.instructions(gm, {}) is None  # torch.sin and operator.add: not operator overloads
+
+
+@needs_program
+def test_instructions_release_each_value_after_its_last_read():
+    def chain(x):
+        a = torch.ops.aten.sin.default(x)
+        b = torch.ops.aten.cos.default(a)
+        c = torch.ops.aten.mul.Tensor(a, b)
+        return (torch.ops.aten.add.Tensor(c, x),)
+
+    gm = _graph(chain, torch.randn(4))
+    count, inputs, program, outputs, _, _, _ = executor.instructions(gm, {})
+    freed = {slot for instruction in program for slot in instruction[5]}
+    assert set(range(count)) - set(outputs) == freed  # every value but the output is released
+    x = torch.randn(4)
+    module = cpp_build.extension()
+    built = module.Program(count, inputs, list(program), outputs, False, True)
+    assert len(built) == 4 and torch.equal(built.run((x,))[0], chain(x)[0])
+    with pytest.raises(ValueError, match="takes 1 inputs, got 2"):
+        built.run((x, x))
+
