@@ -105,6 +105,22 @@ def _list_kind(type_text: str) -> Optional[str]:
     return None
 
 
+_SCHEMAS: Dict[Any, tuple] = {}
+
+
+def _schema_of(target: Any) -> tuple:
+    """(name, overload, [(argument, type text, has a default)], argument names, return type texts) of an operator
+    overload, read once per overload."""
+    found = _SCHEMAS.get(target)
+    if found is None:
+        schema = target._schema
+        arguments = tuple((a.name, str(a.type), a.has_default_value()) for a in schema.arguments)
+        found = (schema.name, schema.overload_name or "", arguments, frozenset(a[0] for a in arguments),
+                 tuple(str(r.type) for r in schema.returns))
+        _SCHEMAS[target] = found
+    return found
+
+
 Instruction = Tuple[str, str, List[Tuple[str, Any]], List[int], List[Tuple[int, int]], List[int], Optional[tuple]]
 
 
@@ -146,26 +162,23 @@ class _Builder:
 
     def operator(self, node: Node) -> None:
         target = node.target
-        schema = target._schema
-        arguments = schema.arguments
-        names = {a.name for a in arguments}
+        name, overload, arguments, names, returns = _schema_of(target)
         if len(node.args) > len(arguments) or any(k not in names for k in node.kwargs):
             raise _Unsupported(f"arguments of {target} beyond its schema")
         args: List[Tuple[str, Any]] = []
-        for index, argument in enumerate(arguments):
+        for index, (argument, type_text, has_default) in enumerate(arguments):
             if index < len(node.args):
-                args.append(self.encode(node.args[index], str(argument.type)))
-            elif argument.name in node.kwargs:
-                args.append(self.encode(node.kwargs[argument.name], str(argument.type)))
-            elif argument.has_default_value():
+                args.append(self.encode(node.args[index], type_text))
+            elif argument in node.kwargs:
+                args.append(self.encode(node.kwargs[argument], type_text))
+            elif has_default:
                 args.append(("default", None))
             else:
-                raise _Unsupported(f"{target}: no value for {argument.name}")
-        returns = schema.returns
+                raise _Unsupported(f"{target}: no value for {argument}")
         getitems = [user for user in node.users if user.target is operator.getitem]
         others = [user for user in node.users if user.target is not operator.getitem]
         outs = [-1] * len(returns)
-        if len(returns) == 1 and _list_kind(str(returns[0].type)) is not None:
+        if len(returns) == 1 and _list_kind(returns[0]) is not None:
             if others:
                 outs[0] = self.slot[node] = self.new()
             self.elements[node] = {}
@@ -179,8 +192,7 @@ class _Builder:
         if getitems and node not in self.elements and node not in self.returns:
             raise _Unsupported(f"getitem of the one return of {target}")
         self.at[node] = len(self.instructions)
-        self.instructions.append([target._schema.name, target._schema.overload_name or "", args, outs, [], [],
-                                  self.direct(node)])
+        self.instructions.append([name, overload, args, outs, [], [], self.direct(node)])
 
     def getitem(self, node: Node) -> None:
         source, index = node.args if len(node.args) == 2 and not node.kwargs else (None, None)

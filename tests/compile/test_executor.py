@@ -283,3 +283,24 @@ def test_instructions_release_each_value_after_its_last_read():
     with pytest.raises(ValueError, match="takes 1 inputs, got 2"):
         built.run((x, x))
 
+
+
+@needs_program
+def test_a_graph_loaded_from_the_cache_runs_in_the_executor(builds, tmp_path):
+    """A cache hit's graph carries no traced values; the executor runs it all the same, with the C++ entries of
+    its fused ops (the stored facts), and computes what the fresh graph computed."""
+    args = _block_inputs()
+    results = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
+        compiled = torch.compile(_block, backend=backend, fullgraph=True)
+        with torch.no_grad():
+            compiled(*args)
+            results.append(compiled(*args))
+        results.append(backend.report().records[0].cache)
+    torch._dynamo.reset()
+    fresh, first_outcome, loaded, second_outcome = results
+    assert (first_outcome, second_outcome) == ("stored", "hit")
+    assert builds == [True, True] and [runner.program.direct_calls for runner in builds.runners] == [8, 8]
+    assert torch.equal(fresh, loaded)
