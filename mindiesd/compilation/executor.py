@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["ENV", "enabled", "Executed", "instructions", "runner"]
+__all__ = ["ENV", "Bound", "enabled", "Executed", "instructions", "runner"]
 
 #: ``MINDIESD_EXECUTOR=0``: every graph runs through the generated Python runner.
 ENV = "MINDIESD_EXECUTOR"

@@ -64,6 +64,7 @@ def _compiled_output(case, monkeypatch, use_executor):
     return first, second
 
 
+@pytest.mark.slow  # 26 models compiled twice: the whole suite runs it, the quick set runs Flux and the block below
 @needs_program
 @pytest.mark.parametrize("name", zoo.names(size="tiny"))
 def test_every_registry_model_runs_in_the_executor_bit_for_bit_as_the_python_runner(name, builds, monkeypatch):
