@@ -285,6 +285,47 @@ def test_instructions_release_each_value_after_its_last_read():
         built.run((x, x))
 
 
+@needs_program
+def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geometry():
+    """Below the view-tracking layer a view op's results are made as its first call made them, without a call, while
+    its input has that call's sizes and strides; an input of other strides gets the op's own call again."""
+    aten = torch.ops.aten
+
+    def views(x):
+        a = aten.permute.default(x, [1, 0, 2])
+        parts = aten.split.Tensor(a, 2, 1)
+        b = aten.unsqueeze.default(parts[1], 0)
+        c = aten.slice.Tensor(aten.select.int(b, 1, 2), 1, 1, 3)
+        d = aten.t.default(aten.select.int(parts[0], 0, 1))
+        return (c, d, aten.mul.Tensor(c, 2.0))
+
+    base = torch.arange(5 * 4 * 3, dtype=torch.float32)
+    gm = _graph(views, base.view(5, 4, 3))
+    count, inputs, program, outputs, _, below, _ = executor.instructions(gm, {})
+    assert below is True
+    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True)
+    view_ops = 7  # permute, split, unsqueeze, two selects, slice, t
+
+    def check(x):
+        expected = views(x)
+        with torch.no_grad():
+            actual = built.run((x,))
+        for got, want in zip(actual, expected):
+            assert torch.equal(got, want) and got.stride() == want.stride()
+            assert got.storage_offset() == want.storage_offset()
+        assert actual[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+    check(base.view(5, 4, 3))  # the first call: each op runs, its results are kept
+    assert built.memoised_views == 0
+    check(base.flip(0).view(5, 4, 3) + 0)  # same geometry, other values
+    assert built.memoised_views == view_ops
+    check(base.view(3, 4, 5).permute(2, 1, 0))  # the same sizes, other strides: the ops run again
+    assert built.memoised_views == view_ops
+    shifted = torch.arange(2 * 5 * 4 * 3, dtype=torch.float32)[5 * 4 * 3:].view(5, 4, 3)
+    assert shifted.storage_offset() == 60
+    check(shifted)  # same geometry again, at an offset of its own
+    assert built.memoised_views == 2 * view_ops
+
 
 @needs_program
 def test_a_graph_loaded_from_the_cache_runs_in_the_executor(builds, tmp_path):

@@ -8,6 +8,7 @@
 #include "common.h"
 
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/mm.h>
 
 namespace mindiesd_cpu {
@@ -38,8 +39,40 @@ std::optional<Tensor> cat_linear(
   if (width != weight.size(1)) {
     return std::nullopt;
   }
+  // Plain CPU tensors call the GEMM kernels straight (as the linear entry does), others go through the dispatcher.
+  bool straight = plain_gemm_operands({&weight, biased ? &*bias : nullptr});
+  for (const Tensor& x : xs) {
+    straight = straight && plain_gemm_operands({&x});
+  }
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
+  std::vector<int64_t> shape(lead.begin(), lead.end());
+  shape.push_back(weight.size(0));
+  if (straight) {
+    // Views made by hand, as the linear entry makes them.
+    const int64_t n = weight.size(0);
+    Tensor out = empty_output(first, shape, dtype);
+    int64_t m = 1;
+    for (const int64_t size : lead) {
+      m *= size;
+    }
+    Tensor out_rows = alias_view(out, {m, n}, {n, 1}, 0);
+    int64_t start = 0;
+    for (const Tensor& x : xs) {
+      const int64_t k = x.size(-1);
+      const Tensor rows = x.dim() == 2 ? x
+                          : x.is_contiguous() ? alias_view(x, {m, k}, {k, 1}, x.storage_offset())
+                                              : x.reshape({m, k});
+      const Tensor block = transposed_block(weight, start, k);
+      if (start == 0) {
+        gemm_rows_into(out_rows, rows, block, biased ? &*bias : nullptr);
+      } else {
+        at::cpu::addmm_(out_rows, rows, block);
+      }
+      start += k;
+    }
+    return out;
+  }
   Tensor out;
   int64_t start = 0;
   for (const Tensor& x : xs) {
@@ -53,8 +86,6 @@ std::optional<Tensor> cat_linear(
       out.addmm_(rows, block);
     }
   }
-  std::vector<int64_t> shape(lead.begin(), lead.end());
-  shape.push_back(weight.size(0));
   return out.view(shape);
 }
 

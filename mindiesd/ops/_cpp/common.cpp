@@ -49,7 +49,31 @@ Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarTy
   }
   std::vector<int64_t> target(x_sizes.begin(), x_sizes.end());
   target.back() = width;
-  return t.expand(target);
+  return expanded(t, target);
+}
+
+Tensor expanded(const Tensor& t, at::IntArrayRef sizes) {
+  if (!plain_impl(t) || t.dim() > static_cast<int64_t>(sizes.size())) {
+    return t.expand(sizes);
+  }
+  std::vector<int64_t> strides(sizes.size(), 0);
+  const int64_t offset = static_cast<int64_t>(sizes.size()) - t.dim();
+  for (int64_t k = 0; k < t.dim(); ++k) {
+    const int64_t size = t.size(k);
+    if (size == sizes[offset + k]) {
+      strides[offset + k] = t.stride(k);
+    } else if (size != 1) {
+      return t.expand(sizes);  // not a broadcast: expand's own error
+    }
+  }
+  return alias_view(t, sizes, strides, t.storage_offset());
+}
+
+Tensor alias_view(const Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base.storage()),
+                                                   base.key_set(), base.dtype());
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  return Tensor(std::move(impl));
 }
 
 Tensor empty_output(const Tensor& x, at::IntArrayRef sizes, ScalarType dtype) {

@@ -57,7 +57,7 @@ constexpr int64_t kLanes = fVec::size();
 // Elements handled per step: one vector of a 16-bit type, two of float32.
 constexpr int64_t kBlock = 2 * kLanes;
 constexpr int64_t kMaxLeadingDims = 8;
-constexpr int kMaxOperands = 4;
+constexpr int kMaxOperands = 5;
 // Elements per parallel task below which a kernel stays on one thread.
 constexpr int64_t kParallelElements = 16384;
 
@@ -513,6 +513,36 @@ void for_each_row(
   walk_rows<TO, TIn...>(out, inputs, scratch_floats, body, std::index_sequence_for<TIn...>{});
 }
 
+template <typename TO, typename... TIn, typename Body, size_t... I>
+void walk_layout_rows(
+    const RowLayout& layout, int64_t rows, int64_t width, bool stream, TO* out,
+    const std::tuple<const TIn*...>& data, const Body& body, std::index_sequence<I...>) {
+  constexpr int kOut = static_cast<int>(sizeof...(TIn));
+  RowWalk walk;
+  walk.width = width;
+  walk.stream = stream;
+  for (int op = 0; op < layout.operands; ++op) {
+    walk.next[op] = layout.dims == 0 ? 0 : layout.strides[op][layout.dims - 1];
+  }
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    RowCursor cursor(layout, begin);
+    for (int64_t row = begin; row < end; ++row, cursor.next()) {
+      body(walk, out + cursor.offset(kOut), (std::get<I>(data) + cursor.offset(I))..., nullptr);
+    }
+    finish_streaming(stream);
+  });
+}
+
+// for_each_row over raw pointers: ``layout`` has the rows' leading sizes and the element strides of the inputs,
+// then of the output (whose rows need not be contiguous); every row holds ``width`` unit-stride values. A body
+// gets no scratch (nullptr).
+template <typename TO, typename... TIn, typename Body>
+void for_each_layout_row(
+    const RowLayout& layout, int64_t rows, int64_t width, bool stream, TO* out, std::tuple<const TIn*...> inputs,
+    const Body& body) {
+  walk_layout_rows<TO, TIn...>(layout, rows, width, stream, out, inputs, body, std::index_sequence_for<TIn...>{});
+}
+
 // ---------------------------------------------------------------------------
 // Operand preparation and coverage checks.
 // ---------------------------------------------------------------------------
@@ -548,6 +578,21 @@ inline bool covers_row_parameter(const Tensor& p, const Tensor& x) {
 // ``t`` as x's leading shape plus a last dim of ``width`` unit-stride values,
 // with zero strides where it broadcasts.  ``t`` has last size width or 1.
 Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarType dtype);
+
+// t.expand(sizes), made by hand where t is plain (plain_impl): an operand the kernels read, not a result.
+Tensor expanded(const Tensor& t, at::IntArrayRef sizes);
+
+// Whether GEMMs of these tensors (nullptr: none) may call the CPU kernels straight, below the dispatcher: CPU
+// tensors, no tensor subclass, dispatch mode or autocast, nothing that requires grad while grad mode is on.
+bool plain_gemm_operands(std::initializer_list<const Tensor*> tensors);
+
+// ``weight`` [n, k]'s columns ``first`` to ``first + count`` transposed, [count, n], as a view made by hand
+// (``weight`` is plain: plain_gemm_operands). linear.cpp.
+Tensor transposed_block(const Tensor& weight, int64_t first, int64_t count);
+
+// ``rows`` [m, k] times ``weight_t`` [k, n] plus ``bias`` [n] (none: nullptr) as at::cpu::addmm (at::cpu::mm)
+// computes it, into the contiguous [m, n] ``out``. linear.cpp.
+void gemm_rows_into(Tensor& out, const Tensor& rows, const Tensor& weight_t, const Tensor* bias);
 
 // A new contiguous tensor of ``sizes`` and ``dtype`` on x's device.
 Tensor empty_output(const Tensor& x, at::IntArrayRef sizes, ScalarType dtype);

@@ -14,7 +14,11 @@
 // Views and out= writes run below the autograd and view-tracking layers
 // (AutoDispatchBelowADInplaceOrView) only where that changes nothing: grad
 // mode is off and every write in place of the graph goes into a buffer the
-// graph allocated itself (the builder checks the second).  The GIL is released
+// graph allocated itself (the builder checks the second).  There, a view op
+// (view, permute, split, ...) whose input has the sizes and strides it had on
+// the op's first call makes its results as that call did, without a call: the
+// sizes, strides and storage offset of a view are a function of its input's
+// sizes and strides and of the op's constant arguments.  The GIL is released
 // while the operators run; kernels written in Python take it back themselves.
 
 #include "kernels.h"
@@ -23,10 +27,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -82,6 +88,43 @@ Entry entry_named(const std::string& name) {
   throw std::invalid_argument("no C++ entry point named " + name);
 }
 
+// The ops whose results are views of their first argument, with sizes, strides and an offset from its own that
+// depend only on its sizes and strides and the op's constant arguments (as_strided, which sets an absolute
+// offset, and reshape, which may copy, are not among them).
+bool is_geometric_view(const std::string& name, const std::string& overload) {
+  static const std::pair<const char*, const char*> kViews[] = {
+      {"aten::view", ""}, {"aten::_unsafe_view", ""}, {"aten::permute", ""}, {"aten::unsqueeze", ""},
+      {"aten::squeeze", "dim"}, {"aten::squeeze", "dims"}, {"aten::squeeze", ""}, {"aten::select", "int"},
+      {"aten::slice", "Tensor"}, {"aten::split", "Tensor"}, {"aten::split_with_sizes", ""}, {"aten::t", ""},
+      {"aten::transpose", "int"}, {"aten::expand", ""}, {"aten::narrow", ""}, {"aten::unbind", "int"},
+      {"aten::alias", ""}, {"aten::unflatten", "int"}};
+  for (const auto& [known, known_overload] : kViews) {
+    if (name == known && overload == known_overload) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A view's geometry: sizes, strides, and its storage offset less its input's.
+struct Geometry {
+  std::vector<int64_t> sizes, strides;
+  int64_t delta = 0;
+};
+
+// What a view op made of an input of one geometry on its first call (filled once; read without a lock after).
+struct ViewMemo {
+  std::atomic<int> state{0};  // 0: empty, 1: being filled, 2: ready, 3: not memoised
+  std::vector<int64_t> sizes, strides;  // the input's
+  c10::DispatchKeySet keys;
+  bool list = false;  // the op returns a list of views
+  std::vector<Geometry> results;
+};
+
+Tensor view_with(const Tensor& base, const Geometry& geometry) {
+  return alias_view(base, geometry.sizes, geometry.strides, base.storage_offset() + geometry.delta);
+}
+
 struct Instruction {
   std::optional<c10::OperatorHandle> op;
   std::vector<Arg> args;                 // one per schema argument, in order
@@ -93,6 +136,7 @@ struct Instruction {
   std::optional<at::ScalarType> out_dtype;
   std::vector<int64_t> order, inverse;   // a result not row-major: the adapter's permutations
   std::vector<int64_t> moved;            // direct arguments permuted into the result's order
+  std::unique_ptr<ViewMemo> view;        // a view op whose first argument is a value: its first call's results
 };
 
 const Tensor& tensor_at(const std::vector<IValue>& slots, int64_t slot) {
@@ -132,6 +176,10 @@ class Program {
 
   int64_t direct_calls() const {
     return direct_calls_.load(std::memory_order_relaxed);
+  }
+
+  int64_t memoised_views() const {
+    return memoised_views_.load(std::memory_order_relaxed);
   }
 
   int64_t size() const {
@@ -183,6 +231,9 @@ class Program {
         grad_off.emplace();
       }
       const bool below = below_autograd_allowed_ && !at::GradMode::is_enabled();
+      // views made without a call only where no dispatch mode is there to see every op (a device-graph capture's
+      // recording, a FakeTensorMode)
+      const bool fast_views = below && c10::impl::TorchDispatchModeTLS::stack_len() == 0;
       std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
       if (below) {
         guard.emplace();
@@ -190,7 +241,7 @@ class Program {
       torch::jit::Stack stack;
       stack.reserve(16);
       for (const Instruction& in : program_) {
-        execute(in, slots, stack);
+        execute(in, slots, stack, fast_views);
       }
     }
     py::tuple result(outputs_.size());
@@ -284,6 +335,11 @@ class Program {
       } else {
         in.args.push_back(argument(tuple, arguments[i].type()));
       }
+    }
+    if (is_geometric_view(name, overload) && !in.args.empty() &&
+        (in.args[0].kind == Arg::kSlot || in.args[0].kind == Arg::kTake) &&
+        std::all_of(in.args.begin() + 1, in.args.end(), [](const Arg& arg) { return arg.kind == Arg::kConst; })) {
+      in.view = std::make_unique<ViewMemo>();  // its other arguments are constants: one geometry per input's
     }
     in.outs = py::cast<std::vector<int64_t>>(spec[3]);
     if (in.outs.size() != schema.returns().size()) {
@@ -414,7 +470,93 @@ class Program {
     return result;
   }
 
-  void execute(const Instruction& in, std::vector<IValue>& slots, torch::jit::Stack& stack) const {
+  // The results of a view op made as its first call made them; false where the input differs from that call's
+  // (or there was none yet).
+  bool memoised_view(const Instruction& in, std::vector<IValue>& slots) const {
+    const ViewMemo& memo = *in.view;
+    if (memo.state.load(std::memory_order_acquire) != 2) {
+      return false;
+    }
+    const Arg& source = in.args[0];
+    const IValue& value = slots[source.slot];
+    if (!value.isTensor()) {
+      return false;
+    }
+    const Tensor& base = value.toTensor();
+    if (base.sizes() != at::IntArrayRef(memo.sizes) || base.strides() != at::IntArrayRef(memo.strides) ||
+        base.key_set() != memo.keys || !plain_impl(base)) {
+      return false;
+    }
+    if (memo.list) {
+      c10::List<Tensor> list;
+      list.reserve(memo.results.size());
+      for (const Geometry& geometry : memo.results) {
+        list.push_back(view_with(base, geometry));
+      }
+      for (const auto& [element, slot] : in.unpack) {
+        slots[slot] = list.get(element);
+      }
+      if (in.outs[0] >= 0) {
+        slots[in.outs[0]] = std::move(list);
+      }
+    } else if (in.outs[0] >= 0) {
+      slots[in.outs[0]] = view_with(base, memo.results[0]);
+    }
+    if (source.kind == Arg::kTake) {
+      slots[source.slot] = IValue();
+    }
+    memoised_views_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  // Keeps what a view op's first call made of its input ``base`` (its geometry before the call) where the results
+  // are plain views of it; marks the op not memoised otherwise.
+  static void remember_view(const Instruction& in, const Tensor& base, std::vector<int64_t> sizes,
+                            std::vector<int64_t> strides, int64_t offset, const IValue& returned) {
+    ViewMemo& memo = *in.view;
+    int expected = 0;
+    if (!memo.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+      return;
+    }
+    bool ok = true;
+    std::vector<Geometry> results;
+    auto keep = [&](const IValue& item) {
+      if (!ok || !item.isTensor()) {
+        ok = false;
+        return;
+      }
+      const Tensor& view = item.toTensor();
+      if (!plain_impl(view) || !view.storage().is_alias_of(base.storage()) || view.dtype() != base.dtype() ||
+          view.key_set() != base.key_set()) {
+        ok = false;
+        return;
+      }
+      results.push_back({view.sizes().vec(), view.strides().vec(), view.storage_offset() - offset});
+    };
+    if (returned.isTensorList()) {
+      memo.list = true;
+      for (const IValue& item : returned.toListRef()) {
+        keep(item);
+      }
+    } else {
+      keep(returned);
+    }
+    if (ok) {
+      memo.sizes = std::move(sizes);
+      memo.strides = std::move(strides);
+      memo.keys = base.key_set();
+      memo.results = std::move(results);
+    }
+    memo.state.store(ok ? 2 : 3, std::memory_order_release);
+  }
+
+  void execute(const Instruction& in, std::vector<IValue>& slots, torch::jit::Stack& stack, bool fast_views) const {
+    if (in.view && fast_views && memoised_view(in, slots)) {
+      for (const int64_t slot : in.frees) {
+        slots[slot] = IValue();
+      }
+      return;
+    }
     bool done = false;
     if (in.entry != Entry::kNone) {
       std::vector<IValue> values;
@@ -433,6 +575,17 @@ class Program {
     }
     if (!done) {
       stack.clear();
+      // a view op's first call below the view-tracking layer: its input's geometry, to keep what it makes of it
+      std::optional<Tensor> view_base;
+      std::vector<int64_t> base_sizes, base_strides;
+      int64_t base_offset = 0;
+      if (in.view && fast_views && in.view->state.load(std::memory_order_acquire) == 0 &&
+          slots[in.args[0].slot].isTensor() && plain_impl(slots[in.args[0].slot].toTensor())) {
+        view_base = slots[in.args[0].slot].toTensor();
+        base_sizes = view_base->sizes().vec();
+        base_strides = view_base->strides().vec();
+        base_offset = view_base->storage_offset();
+      }
       for (const Arg& arg : in.args) {
         if (arg.kind == Arg::kSlot) {
           stack.push_back(slots[arg.slot]);
@@ -445,6 +598,10 @@ class Program {
         }
       }
       in.op->callBoxed(stack);
+      if (view_base.has_value() && !stack.empty()) {
+        remember_view(in, *view_base, std::move(base_sizes), std::move(base_strides), base_offset, stack[0]);
+        view_base.reset();
+      }
       if (!in.unpack.empty()) {
         const auto list = stack[0].toListRef();
         for (const auto& [element, slot] : in.unpack) {
@@ -471,6 +628,7 @@ class Program {
   std::vector<int64_t> outputs_;
   std::vector<int64_t> selection_;  // run_selected: the arguments read after the folded constants
   mutable std::atomic<int64_t> direct_calls_{0};  // fused ops run through their entry points, all runs
+  mutable std::atomic<int64_t> memoised_views_{0};  // view ops that repeated their first call's results, all runs
   bool output_is_list_;
   bool below_autograd_allowed_;
 };
@@ -488,6 +646,8 @@ void bind_executor(py::module_& m) {
       .def_property("selection", &Program::selection, &Program::set_selection)
       .def_property_readonly("direct_calls", &Program::direct_calls,
                              "Fused ops and linear layers run through their C++ entry points, over all runs.")
+      .def_property_readonly("memoised_views", &Program::memoised_views,
+                             "View ops whose results repeated their first call's geometry (no call), over all runs.")
       .def("__len__", &Program::size);
 }
 

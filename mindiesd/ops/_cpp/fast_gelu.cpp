@@ -77,7 +77,8 @@ std::optional<Tensor> linear_gelu(const Tensor& x, const Tensor& weight, const s
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   // The GEMM rounded to x's dtype, as eager's linear; its output is new, so the GELU overwrites it.
-  Tensor out = at::linear(x, weight, biased ? *bias : Tensor());
+  std::optional<Tensor> straight = mindiesd_cpu::linear(x, weight, bias);
+  Tensor out = straight.has_value() ? std::move(*straight) : at::linear(x, weight, biased ? *bias : Tensor());
   if (!out.is_contiguous()) {
     out = out.contiguous();
   }

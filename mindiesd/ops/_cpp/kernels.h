@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 namespace mindiesd_cpu {
@@ -41,6 +42,18 @@ std::optional<at::Tensor> cat_linear(
 std::optional<at::Tensor> linear_gelu(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::optional<at::Tensor> mul_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z);
+
+// A plain strided tensor of a device with no TensorImpl of its own (not a subclass, nor a wrapper): a view of it
+// made by hand (alias_view) is the view ATen makes below the view-tracking layer.
+inline bool plain_impl(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(c10::TensorImpl) && t.layout() == at::kStrided && (t.is_cpu() || t.is_cuda()) &&
+         !impl->is_python_dispatch() && t.has_storage();
+}
+
+// A view of the plain tensor ``base`` (plain_impl) with these sizes, strides and storage offset, made without a
+// call through the dispatcher and without view tracking (as a view op below ADInplaceOrView makes it).
+at::Tensor alias_view(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset);
 
 // ATen CPU capability the kernels were compiled for, e.g. "AVX512+BF16".
 std::string capability();

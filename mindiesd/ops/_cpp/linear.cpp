@@ -13,24 +13,66 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+
+#include <cstring>
 
 namespace mindiesd_cpu {
 namespace {
 
 bool plain(const Tensor& t, bool grad_mode) {
-  return on_cpu(t) && !t.key_set().has(c10::DispatchKey::Python) && !(grad_mode && t.requires_grad());
+  return on_cpu(t) && plain_impl(t) && !t.key_set().has(c10::DispatchKey::Python) && !(grad_mode && t.requires_grad());
 }
 
 }  // namespace
 
+bool plain_gemm_operands(std::initializer_list<const Tensor*> tensors) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::autocast::is_autocast_enabled(at::kCPU)) {
+    return false;
+  }
+  const bool grad_mode = at::GradMode::is_enabled();
+  for (const Tensor* t : tensors) {
+    if (t != nullptr && !plain(*t, grad_mode)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Tensor transposed_block(const Tensor& weight, int64_t first, int64_t count) {
+  return alias_view(weight, {count, weight.size(0)}, {weight.stride(1), weight.stride(0)},
+                    weight.storage_offset() + first * weight.stride(1));
+}
+
+void gemm_rows_into(Tensor& out, const Tensor& rows, const Tensor& weight_t, const Tensor* bias) {
+  if (bias == nullptr) {
+    at::cpu::mm_out(out, rows, weight_t);
+    return;
+  }
+  // What addmm does first: the output holds the bias, and the GEMM adds into it (beta 1). addmm's own copy goes
+  // through TensorIterator, which costs more than the GEMM itself at small sizes; a contiguous bias is copied by
+  // rows here.
+  const int64_t m = out.size(0);
+  const int64_t n = out.size(1);
+  if (bias->stride(0) == 1 || n <= 1) {
+    const int64_t bytes = n * static_cast<int64_t>(out.element_size());
+    const char* source = static_cast<const char*>(bias->const_data_ptr());
+    char* target = static_cast<char*>(out.mutable_data_ptr());
+    for (int64_t r = 0; r < m; ++r) {
+      std::memcpy(target + r * bytes, source, static_cast<size_t>(bytes));
+    }
+  } else {
+    out.copy_(bias->expand({m, n}));
+  }
+  at::cpu::addmm_out(out, out, rows, weight_t);
+}
+
 std::optional<Tensor> linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
   const bool biased = bias.has_value() && bias->defined();
-  const bool grad_mode = at::GradMode::is_enabled();
   const ScalarType dtype = x.scalar_type();
-  if (!plain(x, grad_mode) || !plain(weight, grad_mode) || (biased && !plain(*bias, grad_mode)) ||
-      c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::autocast::is_autocast_enabled(at::kCPU) ||
+  if (!plain_gemm_operands({&x, &weight, biased ? &*bias : nullptr}) ||
       !(is_covered_float(dtype) || dtype == ScalarType::Double) || weight.scalar_type() != dtype ||
       weight.dim() != 2 || x.dim() < 2 || x.dim() > 3 || x.size(-1) != weight.size(1) ||
       (x.dim() == 3 && !x.is_contiguous()) ||
@@ -38,11 +80,15 @@ std::optional<Tensor> linear(const Tensor& x, const Tensor& weight, const std::o
     return std::nullopt;
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const Tensor rows = x.dim() == 2 ? x : x.view({-1, x.size(2)});
-  Tensor out = biased ? at::cpu::addmm(*bias, rows, weight.t()) : at::cpu::mm(rows, weight.t());
-  if (x.dim() == 3) {
-    out = out.view({x.size(0), x.size(1), weight.size(0)});
-  }
+  // The rows of x, the transposed weight and the output's rows as views made by hand: plain tensors, and a call
+  // through the dispatcher for each would cost more than the GEMM of a small layer.
+  const int64_t k = weight.size(1);
+  const int64_t n = weight.size(0);
+  const int64_t m = x.dim() == 2 ? x.size(0) : x.size(0) * x.size(1);
+  const Tensor rows = x.dim() == 2 ? x : alias_view(x, {m, k}, {k, 1}, x.storage_offset());
+  Tensor out = x.dim() == 2 ? empty_output(x, {m, n}, dtype) : empty_output(x, {x.size(0), x.size(1), n}, dtype);
+  Tensor out_rows = x.dim() == 2 ? out : alias_view(out, {m, n}, {n, 1}, 0);
+  gemm_rows_into(out_rows, rows, transposed_block(weight, 0, k), biased ? &*bias : nullptr);
   return out;
 }
 

@@ -53,7 +53,7 @@ Tensor as_row_input(const Tensor& t, at::IntArrayRef shape) {
   if (t.dim() == 0 || t.size(-1) != shape.back() || (shape.back() > 1 && t.stride(-1) != 1)) {
     return Tensor();
   }
-  return t.expand(shape);
+  return expanded(t, shape);
 }
 
 // The row loop when every operand has its form; false otherwise.

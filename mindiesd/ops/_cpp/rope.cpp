@@ -162,11 +162,11 @@ inline Tensor widened_table(const Tensor& t, int64_t width, bool per_pair, bool 
 // values (one head: the whole row), into the rows of ``out`` (the stream's slice of the concatenation).  The
 // tables hold the first head's values of a row; ``table_head_step`` floats further on are the next head's (0
 // when every head reads the same).  The weight is float32 (a [W] weight is small beside the rows it scales).
+// ``layout``: the stream's leading sizes and the element strides of x, the weight, cos, sin and out, in that order.
 template <typename T, bool kWeighted, bool kRound, bool kInterleaved, bool kPerPair>
 void norm_rope_kernel(
-    const Tensor& x, const Tensor& weight, const Tensor& cos, const Tensor& sin, Tensor& out, float eps,
-    int64_t head_dim, int64_t table_head_step) {
-  const int64_t row_width = x.size(-1);
+    const RowLayout& layout, int64_t rows, int64_t row_width, bool stream, T* out, const T* x, const float* weight,
+    const float* cos, const float* sin, float eps, int64_t head_dim, int64_t table_head_step) {
   const int64_t width = head_dim;
   const int64_t heads = row_width / head_dim;
   const int64_t half = width / 2;
@@ -187,35 +187,47 @@ void norm_rope_kernel(
       });
     }
   };
-  auto body = [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr) {
-    const fVec inv_rms(1.0f / std::sqrt(sum_of_squares(xr, row_width) * inv_width + eps));
-    // The row is read again from L1 below; meanwhile the next row is fetched (as rms_norm does).
-    prefetch_bytes(xr + walk.next[0], row_width * static_cast<int64_t>(sizeof(T)));
-    for (int64_t h = 0; h < heads; ++h) {
-      head(walk, outr + h * head_dim, xr + h * head_dim, kWeighted ? wr + h * head_dim : wr,
-           cr + h * table_head_step, sr + h * table_head_step, inv_rms);
-    }
-  };
-  if constexpr (kWeighted) {
-    for_each_row<T, T, float, float, float>(
-        out, {&x, &weight, &cos, &sin},
-        [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr, float*) {
-          body(walk, outr, xr, wr, cr, sr);
-        });
-  } else {
-    for_each_row<T, T, float, float>(
-        out, {&x, &cos, &sin}, [&](const RowWalk& walk, T* outr, const T* xr, const float* cr, const float* sr, float*) {
-          body(walk, outr, xr, nullptr, cr, sr);
-        });
-  }
+  for_each_layout_row<T, T, float, float, float>(
+      layout, rows, row_width, stream, out, {x, weight, cos, sin},
+      [&](const RowWalk& walk, T* outr, const T* xr, const float* wr, const float* cr, const float* sr, float*) {
+        const fVec inv_rms(1.0f / std::sqrt(sum_of_squares(xr, row_width) * inv_width + eps));
+        // The row is read again from L1 below; meanwhile the next row is fetched (as rms_norm does).
+        prefetch_bytes(xr + walk.next[0], row_width * static_cast<int64_t>(sizeof(T)));
+        for (int64_t h = 0; h < heads; ++h) {
+          head(walk, outr + h * head_dim, xr + h * head_dim, kWeighted ? wr + h * head_dim : wr,
+               cr + h * table_head_step, sr + h * table_head_step, inv_rms);
+        }
+      });
 }
 
-// ``t`` with its leading dims fixed to ``index`` (a table broadcast to the output's shape, or x).
-inline Tensor select_leading(Tensor t, const std::vector<int64_t>& index) {
-  for (const int64_t i : index) {
-    t = t.select(0, i);
+// A rotation table as the norm_rope kernel reads it: float32, ``width`` values with unit stride in its last dim.
+// The usual table is that already (no new tensor); a table of one value per pair where the other is full width is
+// widened, other dtypes converted, a broadcast or strided last dim made contiguous.
+inline Tensor norm_rope_table(const Tensor& t, int64_t head_dim, bool per_pair, bool interleaved, int64_t width) {
+  Tensor table = widened_table(t, head_dim, per_pair, interleaved);
+  if (table.scalar_type() != ScalarType::Float) {
+    table = table.to(ScalarType::Float);
   }
-  return t;
+  if (table.size(-1) != width) {
+    std::vector<int64_t> sizes(table.sizes().begin(), table.sizes().end());
+    sizes.back() = width;
+    table = table.expand(sizes).contiguous();
+  } else if (width > 1 && table.stride(-1) != 1) {
+    table = table.contiguous();
+  }
+  return table;
+}
+
+// The element strides of ``t`` over the first ``lead`` dims of a shape it broadcasts into, aligned at the end
+// of that shape's ``lead + 1`` dims (0 where t has no such dim or size 1).
+inline std::array<int64_t, kMaxLeadingDims + 1> broadcast_strides(const Tensor& t, int64_t lead) {
+  std::array<int64_t, kMaxLeadingDims + 1> strides{};
+  const int64_t offset = lead - (t.dim() - 1);
+  for (int64_t j = 0; j < lead; ++j) {
+    const int64_t k = j - offset;
+    strides[j] = (k < 0 || t.size(k) == 1) ? 0 : t.stride(k);
+  }
+  return strides;
 }
 
 }  // namespace
@@ -286,6 +298,11 @@ std::optional<Tensor> norm_rope(
     if (!on_cpu(x) || x.scalar_type() != first.scalar_type() || x.dim() != rank) {
       return std::nullopt;
     }
+    for (int64_t k = 0; k < rank; ++k) {
+      if (k != d && x.size(k) != first.size(k)) {  // streams differ only in their length along ``d``
+        return std::nullopt;
+      }
+    }
     const std::optional<Tensor>& w = weights_in[i];
     if (w.has_value() && w->defined() && !(on_cpu(*w) && is_covered_float(w->scalar_type()) && w->dim() == 1 &&
                                            w->size(0) == width)) {
@@ -312,91 +329,100 @@ std::optional<Tensor> norm_rope(
     return out;
   }
   const int64_t table_width = per_pair ? head_dim / 2 : head_dim;
-  int64_t head_step = 0;
-  auto prepare = [&](const Tensor& t) {
-    Tensor table = widened_table(t, head_dim, per_pair, interleaved);
-    table = as_row_operand(table, rotated, table_width, ScalarType::Float);
-    if (heads > 1) {  // the first head's values, and the step to the next head's
-      head_step = table.size(-2) == 1 ? 0 : table.stride(-2);
-      table = table.select(-2, 0);
-    }
-    return table;
-  };
-  const Tensor cos = prepare(cos_in);
-  const int64_t cos_head_step = head_step;
-  const Tensor sin = prepare(sin_in);
-  if (head_step != cos_head_step) {  // one step for both tables
+  const Tensor cos = norm_rope_table(cos_in, head_dim, per_pair, interleaved, table_width);
+  const Tensor sin = norm_rope_table(sin_in, head_dim, per_pair, interleaved, table_width);
+  if (cos.dim() > static_cast<int64_t>(rotated.size()) || sin.dim() > static_cast<int64_t>(rotated.size())) {
+    return std::nullopt;
+  }
+  // The tables' strides over the rotated shape's leading dims: the output's leading dims, then (with more than
+  // one head) the heads, whose stride is the step from one head's values to the next one's.
+  const int64_t lead = rank - 1;
+  const int64_t rotated_lead = static_cast<int64_t>(rotated.size()) - 1;
+  const auto cos_strides = broadcast_strides(cos, rotated_lead);
+  const auto sin_strides = broadcast_strides(sin, rotated_lead);
+  const int64_t head_step = heads > 1 ? cos_strides[lead] : 0;
+  if (heads > 1 && sin_strides[lead] != head_step) {  // one step for both tables
     return std::nullopt;
   }
   const float eps_f = static_cast<float>(eps);
-  // Each stream's slice of the output is contiguous once the dims before ``d`` are fixed; where they all have
-  // size 1 (batch 1, the usual case), it is the slice along ``d`` as it is, and no view per stream is made.
-  int64_t outer = 1;
-  for (int64_t k = 0; k < d; ++k) {
-    outer *= sizes[k];
-  }
-  const int64_t axis = outer == 1 ? d : 0;
-  std::vector<int64_t> index(static_cast<size_t>(outer == 1 ? 0 : d), 0);
-  for (int64_t o = 0; o < outer; ++o) {
-    int64_t rest = o;
-    for (int64_t k = static_cast<int64_t>(index.size()) - 1; k >= 0; --k) {
-      index[k] = rest % sizes[k];
-      rest /= sizes[k];
+  const bool stream = streams(out);
+  const int64_t out_step = out.stride(d);
+  int64_t offset = 0;
+  for (size_t i = 0; i < xs_in.size(); ++i) {
+    const Tensor& x_in = xs_in[i];
+    const int64_t length = x_in.size(d);
+    if (length == 0) {
+      continue;
     }
-    const Tensor out_o = select_leading(out, index);
-    const Tensor cos_o = select_leading(cos, index);
-    const Tensor sin_o = select_leading(sin, index);
-    int64_t offset = 0;
-    for (size_t i = 0; i < xs_in.size(); ++i) {
-      const Tensor& x_in = xs_in[i];
-      const int64_t length = x_in.size(d);
-      if (length == 0) {
-        continue;
+    const Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+    const std::optional<Tensor>& w = weights_in[i];
+    const bool weighted = w.has_value() && w->defined();
+    Tensor weight;
+    if (weighted) {
+      weight = w->scalar_type() == ScalarType::Float ? *w : w->to(ScalarType::Float);
+      if (weight.stride(0) != 1) {
+        weight = weight.contiguous();
       }
-      const Tensor x_full = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
-      const Tensor x = select_leading(x_full, index);
-      Tensor out_i = out_o.narrow(axis, offset, length);
-      const Tensor cos_i = cos_o.narrow(axis, offset, length);
-      const Tensor sin_i = sin_o.narrow(axis, offset, length);
-      offset += length;
-      const std::optional<Tensor>& w = weights_in[i];
-      const bool weighted = w.has_value() && w->defined();
-      const Tensor weight = weighted ? as_row_operand(*w, x.sizes(), width, ScalarType::Float) : Tensor();
-      dispatch_float(x.scalar_type(), [&](auto x_tag) {
-        using T = decltype(x_tag);
-        auto run = [&](auto weighted_tag, auto interleaved_tag, auto per_pair_tag) {
-          constexpr bool kWeighted = decltype(weighted_tag)::value;
-          constexpr bool kInterleaved = decltype(interleaved_tag)::value;
-          constexpr bool kPerPair = decltype(per_pair_tag)::value;
-          if constexpr (std::is_same_v<T, float>) {
-            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f, head_dim,
-                                                                          head_step);
-          } else if (round_normed) {
-            norm_rope_kernel<T, kWeighted, true, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f, head_dim,
-                                                                         head_step);
-          } else {
-            norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(x, weight, cos_i, sin_i, out_i, eps_f, head_dim,
-                                                                          head_step);
-          }
-        };
-        auto with_form = [&](auto weighted_tag) {
-          if (interleaved && per_pair) {
-            run(weighted_tag, std::true_type{}, std::true_type{});
-          } else if (interleaved) {
-            run(weighted_tag, std::true_type{}, std::false_type{});
-          } else if (per_pair) {
-            run(weighted_tag, std::false_type{}, std::true_type{});
-          } else {
-            run(weighted_tag, std::false_type{}, std::false_type{});
-          }
-        };
-        if (weighted) {
-          with_form(std::true_type{});
-        } else {
-          with_form(std::false_type{});
-        }
-      });
     }
+    // The stream's rows: x's leading dims; the weight broadcast to every row; the tables and the output from the
+    // stream's offset along ``d``.
+    RowLayout layout;
+    layout.dims = lead;
+    layout.operands = 5;
+    for (int64_t k = 0; k < lead; ++k) {
+      const int64_t size = x.size(k);
+      layout.sizes[k] = size;
+      layout.strides[0][k] = size == 1 ? 0 : x.stride(k);
+      layout.strides[1][k] = 0;
+      layout.strides[2][k] = size == 1 ? 0 : cos_strides[k];
+      layout.strides[3][k] = size == 1 ? 0 : sin_strides[k];
+      layout.strides[4][k] = size == 1 ? 0 : out.stride(k);
+    }
+    const int64_t rows = x.numel() / width;
+    const float* cos_data = cos.const_data_ptr<float>() + offset * cos_strides[d];
+    const float* sin_data = sin.const_data_ptr<float>() + offset * sin_strides[d];
+    const float* weight_data = weighted ? weight.const_data_ptr<float>() : nullptr;
+    const int64_t out_offset = offset * out_step;
+    offset += length;
+    dispatch_float(x.scalar_type(), [&](auto x_tag) {
+      using T = decltype(x_tag);
+      T* out_data = out.mutable_data_ptr<T>() + out_offset;
+      const T* x_data = x.const_data_ptr<T>();
+      auto run = [&](auto weighted_tag, auto interleaved_tag, auto per_pair_tag) {
+        constexpr bool kWeighted = decltype(weighted_tag)::value;
+        constexpr bool kInterleaved = decltype(interleaved_tag)::value;
+        constexpr bool kPerPair = decltype(per_pair_tag)::value;
+        if constexpr (std::is_same_v<T, float>) {
+          norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(
+              layout, rows, width, stream, out_data, x_data, weight_data, cos_data, sin_data, eps_f, head_dim,
+              head_step);
+        } else if (round_normed) {
+          norm_rope_kernel<T, kWeighted, true, kInterleaved, kPerPair>(
+              layout, rows, width, stream, out_data, x_data, weight_data, cos_data, sin_data, eps_f, head_dim,
+              head_step);
+        } else {
+          norm_rope_kernel<T, kWeighted, false, kInterleaved, kPerPair>(
+              layout, rows, width, stream, out_data, x_data, weight_data, cos_data, sin_data, eps_f, head_dim,
+              head_step);
+        }
+      };
+      auto with_form = [&](auto weighted_tag) {
+        if (interleaved && per_pair) {
+          run(weighted_tag, std::true_type{}, std::true_type{});
+        } else if (interleaved) {
+          run(weighted_tag, std::true_type{}, std::false_type{});
+        } else if (per_pair) {
+          run(weighted_tag, std::false_type{}, std::true_type{});
+        } else {
+          run(weighted_tag, std::false_type{}, std::false_type{});
+        }
+      };
+      if (weighted) {
+        with_form(std::true_type{});
+      } else {
+        with_form(std::false_type{});
+      }
+    });
   }
   return out;
 }
