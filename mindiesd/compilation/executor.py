@@ -218,10 +218,20 @@ class _Builder:
         """(entry, args, out_dtype, order, moved) of the straight call of a fused op's C++ entry, or None."""
         from . import codegen
 
+        target = node.target
+        if target is aten.linear.out:  # the entry declines what is not 2-D CPU rows into a contiguous buffer
+            if not 2 <= len(node.args) <= 3 or set(node.kwargs) - {"bias", "out"} or "out" not in node.kwargs \
+                    or not codegen._cpp_enabled():
+                return None
+            arguments = target._schema.arguments
+            values = [self.encode(a, str(arguments[i].type)) for i, a in enumerate(node.args)]
+            if len(values) < 3:
+                values.append(self.encode(node.kwargs["bias"], str(arguments[2].type)) if "bias" in node.kwargs
+                              else ("const", None))
+            return ("linear_out", values + [self.encode(node.kwargs["out"], str(arguments[3].type))], None, None, [])
         fact = self.facts.get(node.name)
         if fact is None:
             return None
-        target = node.target
         if target is aten.linear.default:
             if node.kwargs or not 2 <= len(node.args) <= 3 or not codegen._cpp_enabled():
                 return None

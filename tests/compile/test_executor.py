@@ -286,6 +286,31 @@ def test_instructions_release_each_value_after_its_last_read():
 
 
 @needs_program
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("biased", [True, False])
+def test_linear_out_into_a_buffer_runs_its_cpp_entry_with_torch_linear_bits(dtype, biased):
+    """``linear.out`` of 2-D rows into a buffer the graph allocates (what ``into.py`` writes) calls the C++ entry,
+    which computes torch's linear bit for bit."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, w, b = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("b")
+    buffer = graph.call_function(aten.empty.memory_format, ([12, 40],), {"dtype": dtype})
+    written = graph.call_function(aten.linear.out, (x, w, b if biased else None), {"out": buffer})
+    graph.output((graph.call_function(aten.mul.Tensor, (written, 2.0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    count, inputs, program, outputs, _, below, _ = executor.instructions(gm, {})
+    assert below is True and [instruction[6][0] for instruction in program if instruction[6]] == ["linear_out"]
+    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True)
+    gen = torch.Generator().manual_seed(3)
+    args = (torch.randn(12, 24, generator=gen).to(dtype), torch.randn(40, 24, generator=gen).to(dtype),
+            torch.randn(40, generator=gen).to(dtype))
+    with torch.no_grad():
+        runs = [built.run(args)[0] for _ in range(2)]
+    expected = F.linear(args[0], args[1], args[2] if biased else None) * 2.0
+    assert built.direct_calls == 2 and all(torch.equal(run, expected) for run in runs)
+
+
+@needs_program
 def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geometry():
     """Below the view-tracking layer a view op's results are made as its first call made them, without a call, while
     its input has that call's sizes and strides; an input of other strides gets the op's own call again."""

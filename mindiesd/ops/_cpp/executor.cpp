@@ -69,6 +69,7 @@ enum class Entry : int {
   kGlu,
   kFastGelu,
   kLinear,
+  kLinearOut,
   kCatLinear,
   kLinearGelu,
   kMulAdd,
@@ -78,7 +79,8 @@ Entry entry_named(const std::string& name) {
   static const std::pair<const char*, Entry> kNames[] = {
       {"rms_norm", Entry::kRmsNorm}, {"adalayernorm", Entry::kAdaLayerNorm}, {"rope", Entry::kRope},
       {"norm_rope", Entry::kNormRope}, {"glu", Entry::kGlu}, {"fast_gelu", Entry::kFastGelu},
-      {"linear", Entry::kLinear}, {"cat_linear", Entry::kCatLinear}, {"linear_gelu", Entry::kLinearGelu},
+      {"linear", Entry::kLinear}, {"linear_out", Entry::kLinearOut}, {"cat_linear", Entry::kCatLinear},
+      {"linear_gelu", Entry::kLinearGelu},
       {"mul_add", Entry::kMulAdd}};
   for (const auto& [known, entry] : kNames) {
     if (name == known) {
@@ -448,6 +450,9 @@ class Program {
           break;
         case Entry::kLinear:
           result = mindiesd_cpu::linear(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]));
+          break;
+        case Entry::kLinearOut:
+          result = mindiesd_cpu::linear_out(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]), v[3].toTensor());
           break;
         case Entry::kCatLinear:
           result = mindiesd_cpu::cat_linear(v[0].toTensorVector(), v[1].toTensor(), optional_tensor(v[2]));

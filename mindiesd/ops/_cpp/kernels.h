@@ -37,6 +37,9 @@ std::optional<at::Tensor> glu(
 std::optional<at::Tensor> fast_gelu(const at::Tensor& x);
 std::optional<at::Tensor> linear(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// linear.out of 2-D rows into a contiguous ``out`` (returned); nullopt where it does not cover the form.
+std::optional<at::Tensor> linear_out(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& out);
 std::optional<at::Tensor> cat_linear(
     const std::vector<at::Tensor>& xs, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::optional<at::Tensor> linear_gelu(

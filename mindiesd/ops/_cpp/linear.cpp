@@ -92,4 +92,23 @@ std::optional<Tensor> linear(const Tensor& x, const Tensor& weight, const std::o
   return out;
 }
 
+std::optional<Tensor> linear_out(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, const Tensor& out) {
+  const bool biased = bias.has_value() && bias->defined();
+  const ScalarType dtype = x.scalar_type();
+  if (!plain_gemm_operands({&x, &weight, &out, biased ? &*bias : nullptr}) ||
+      !(is_covered_float(dtype) || dtype == ScalarType::Double) || weight.scalar_type() != dtype ||
+      out.scalar_type() != dtype || weight.dim() != 2 || x.dim() != 2 || out.dim() != 2 ||
+      x.size(1) != weight.size(1) || out.size(0) != x.size(0) || out.size(1) != weight.size(0) ||
+      !out.is_contiguous() || out.is_same(x) || out.is_same(weight) ||
+      (biased && (bias->scalar_type() != dtype || bias->dim() != 1 || bias->size(0) != weight.size(0)))) {
+    return std::nullopt;
+  }
+  // torch's linear.out of 2-D rows: addmm_out (mm_out without a bias), the same GEMM into the same output.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  Tensor target = out;
+  gemm_rows_into(target, x, transposed_block(weight, 0, weight.size(1)), biased ? &*bias : nullptr);
+  return out;
+}
+
 }  // namespace mindiesd_cpu
