@@ -33,7 +33,7 @@ bool broadcasts_into_rows(const Tensor& t, at::IntArrayRef x_sizes) {
   return true;
 }
 
-Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarType dtype) {
+Tensor as_row_values(Tensor t, int64_t width, ScalarType dtype) {
   if (t.dim() == 0) {
     t = t.reshape({1});
   }
@@ -47,6 +47,11 @@ Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarTy
   } else if (width > 1 && t.stride(-1) != 1) {
     t = t.contiguous();
   }
+  return t;
+}
+
+Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarType dtype) {
+  t = as_row_values(std::move(t), width, dtype);
   std::vector<int64_t> target(x_sizes.begin(), x_sizes.end());
   target.back() = width;
   return expanded(t, target);

@@ -579,6 +579,10 @@ inline bool covers_row_parameter(const Tensor& p, const Tensor& x) {
 // with zero strides where it broadcasts.  ``t`` has last size width or 1.
 Tensor as_row_operand(Tensor t, at::IntArrayRef x_sizes, int64_t width, ScalarType dtype);
 
+// ``t`` (last size width or 1) in ``dtype`` with ``width`` unit-stride values in its last dim: ``t`` itself
+// where it is that already, else converted, broadcast or made contiguous (as_row_operand before its expand).
+Tensor as_row_values(Tensor t, int64_t width, ScalarType dtype);
+
 // t.expand(sizes), made by hand where t is plain (plain_impl): an operand the kernels read, not a result.
 Tensor expanded(const Tensor& t, at::IntArrayRef sizes);
 

@@ -204,18 +204,7 @@ void norm_rope_kernel(
 // The usual table is that already (no new tensor); a table of one value per pair where the other is full width is
 // widened, other dtypes converted, a broadcast or strided last dim made contiguous.
 inline Tensor norm_rope_table(const Tensor& t, int64_t head_dim, bool per_pair, bool interleaved, int64_t width) {
-  Tensor table = widened_table(t, head_dim, per_pair, interleaved);
-  if (table.scalar_type() != ScalarType::Float) {
-    table = table.to(ScalarType::Float);
-  }
-  if (table.size(-1) != width) {
-    std::vector<int64_t> sizes(table.sizes().begin(), table.sizes().end());
-    sizes.back() = width;
-    table = table.expand(sizes).contiguous();
-  } else if (width > 1 && table.stride(-1) != 1) {
-    table = table.contiguous();
-  }
-  return table;
+  return as_row_values(widened_table(t, head_dim, per_pair, interleaved), width, ScalarType::Float);
 }
 
 // The element strides of ``t`` over the first ``lead`` dims of a shape it broadcasts into, aligned at the end
