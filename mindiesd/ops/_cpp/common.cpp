@@ -3,7 +3,9 @@
 
 #include "common.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <string>
 
@@ -82,6 +84,11 @@ Tensor alias_view(const Tensor& base, at::IntArrayRef sizes, at::IntArrayRef str
 }
 
 Tensor empty_output(const Tensor& x, at::IntArrayRef sizes, ScalarType dtype) {
+  // the CPU allocation itself, without a call through the dispatcher, unless a dispatch mode is there to see it
+  // (a device-graph capture's recording)
+  if (x.is_cpu() && c10::impl::TorchDispatchModeTLS::stack_len() == 0) {
+    return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
+  }
   return at::empty(sizes, x.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
 }
 

@@ -404,7 +404,7 @@ class Program {
   }
 
   // The straight call of a fused op's entry point; nullopt where it declines the form or throws.
-  static std::optional<Tensor> call_entry(const Instruction& in, std::vector<IValue> values) {
+  static std::optional<Tensor> call_entry(const Instruction& in, std::vector<IValue>& values) {
     if (!in.order.empty()) {
       const int64_t rank = static_cast<int64_t>(in.order.size());
       for (const int64_t index : in.moved) {
@@ -564,12 +564,12 @@ class Program {
     }
     bool done = false;
     if (in.entry != Entry::kNone) {
-      std::vector<IValue> values;
-      values.reserve(in.direct.size());
+      stack.clear();  // the boxed call's stack, reused for the entry's arguments
       for (const Arg& arg : in.direct) {
-        values.push_back(value_of(arg, slots));
+        stack.push_back(value_of(arg, slots));
       }
-      std::optional<Tensor> result = call_entry(in, std::move(values));
+      std::optional<Tensor> result = call_entry(in, stack);
+      stack.clear();
       if (result.has_value()) {
         direct_calls_.fetch_add(1, std::memory_order_relaxed);
         if (in.outs[0] >= 0) {
