@@ -136,9 +136,42 @@ def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional[
         if node in constant:
             continue
         main_env[node] = main_graph.node_copy(node, lambda n: main_env[n])
+    _copy_folded_outputs(main_graph, [main_env[node] for node in frontier])
     main_graph.eliminate_dead_code()
     main_gm = GraphModule(gm, main_graph)
     return FrozenGraph(fold_gm, main_gm, fold_inputs, main_inputs, n_folded=len(frontier))
+
+
+def _copy_folded_outputs(graph: Graph, folded: Sequence[Node]) -> int:
+    """Make each output that is a folded value, or a view of one, a fresh tensor per call: a clone of the folded
+    value that its output views read in its place. Eager computes such an output anew on every call, and the
+    cached folded value must not be shared with (or written through by) a caller. Returns the clones made."""
+    output = next(node for node in graph.nodes if node.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    folded_set = set(folded)
+    clones: Dict[Node, Node] = {}
+
+    last_input = [node for node in graph.nodes if node.op == "placeholder"][-1]
+
+    def clone_of(value: Node) -> Node:
+        if value not in clones:
+            with graph.inserting_after(last_input):
+                clones[value] = graph.call_function(torch.ops.aten.clone.default, (value,))
+            clones[value].meta = dict(value.meta)
+        return clones[value]
+
+    for value in values:
+        if value in folded_set:
+            output.replace_input_with(value, clone_of(value))
+            continue
+        chain = value
+        while isinstance(chain, Node) and chain.op == "call_function" and _is_view(chain):
+            source = chain.args[0]
+            if source in folded_set:
+                chain.replace_input_with(source, clone_of(source))
+                break
+            chain = source
+    return len(clones)
 
 
 def _is_view(node: Node) -> bool:

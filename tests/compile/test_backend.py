@@ -157,6 +157,39 @@ def test_frozen_values_follow_weight_changes(change):
     assert not torch.allclose(before, after)
 
 
+class _WeightOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        w2 = self.w * 2
+        return x * w2, w2, w2.view(3, 1)
+
+
+@pytest.mark.parametrize("use_executor", [True, False])
+def test_an_output_computed_from_weights_alone_is_a_fresh_tensor_each_call(use_executor, monkeypatch):
+    """A folded value returned as an output (or through a view) is a copy per call, as eager computes it anew: a
+    caller's write into one result reaches neither the cache of folded values nor a later result."""
+    monkeypatch.setenv("MINDIESD_EXECUTOR", "1" if use_executor else "0")
+    torch._dynamo.reset()
+    module = _WeightOutput()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None))
+    compiled = torch.compile(module, backend=backend)
+    with torch.no_grad():
+        first = compiled(torch.ones(3))
+        second = compiled(torch.ones(3))
+        assert backend.report().records[0].folded_constants >= 1
+        assert first[1].data_ptr() != second[1].data_ptr()
+        assert second[2]._base is second[1]  # the view of the output is still the output's view
+        second[1].mul_(10)
+        third = compiled(torch.ones(3))
+    expected = module(torch.ones(3))
+    for got, want in zip(third, expected):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(second[2], torch.full((3, 1), 20.0))
+
+
 def test_freezing_off_still_correct_and_folds_nothing():
     CompilationConfig.enable_freezing = False
     backend = MindieSDBackend()
