@@ -42,6 +42,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch.fx import GraphModule, Node
 
+from .fx_utils import known_row_major
+
 log = logging.getLogger("mindiesd.compilation")
 
 __all__ = ["runner", "direct_kernel", "traced_facts", "compiled_code"]
@@ -96,15 +98,17 @@ def traced_facts(gm: GraphModule) -> Dict[str, Fact]:
                 or target.namespace != "mindiesd":
             continue
         out = node.meta.get("val")
-        if not _static(out) or out.device.type != "cpu":
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
             continue
-        if not all(_static(arg.meta.get("val")) for arg in node.all_input_nodes
-                   if not isinstance(arg.meta.get("val"), (int, float, bool, list, tuple))):
-            continue
-        plan = _plan(target._opname, out)
+        if _static(out) and all(_static(arg.meta.get("val")) for arg in node.all_input_nodes
+                                if not isinstance(arg.meta.get("val"), (int, float, bool, list, tuple))):
+            plan = _plan(target._opname, out)
+        else:  # symbolic sizes: the straight call where the output is row-major at every size the graph serves
+            plan = (None,) if known_row_major(out) else None
         if plan is not None:
             facts[node.name] = (out.dtype, plan[0])
     return facts
+
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A fused graph with static shapes run from C++: one call from Python per forward instead of one per op.
+"""A fused graph run from C++: one call from Python per forward instead of one per op.
 
 The generated runner of :mod:`.codegen` calls each op through its Python binding: about 0.6 us of argument
 parsing and result wrapping per call (a ``view`` costs 0.8 us from Python, 0.2 us from C++), the most of a
@@ -9,16 +9,20 @@ after it. A run calls every operator through the dispatcher's boxed entry, which
 Python call, and a fused op with a C++ CPU kernel through that kernel's entry point, as the generated runner does.
 
 The executor runs a graph only where every node is an operator overload, a ``getitem`` of one's returns, a
-placeholder or a ``get_attr`` (read each call, as the graph's forward does) and the output is a tuple or list of
-values: a graph with symbolic sizes (``operator`` arithmetic on ``SymInt``), a higher-order op or any other Python
-callable keeps the generated runner. It needs the C++ kernels' extension module, loaded on the first call (never
+placeholder, a ``get_attr`` (read each call, as the graph's forward does) or Python arithmetic on the graph's
+symbolic sizes (:data:`_ARITHMETIC`, computed in C++ with Python's semantics), and the output is a tuple or list
+of values: a higher-order op or any other Python callable keeps the generated runner. Symbolic ints and floats
+arrive as numbers; int lists partly computed from them are filled per call. It needs the C++ kernels' extension module, loaded on the first call (never
 while a graph is traced); without it, or where a program cannot be built, the generated runner runs. While a
 profiler records, the generated runner runs too (and with it the graph's own forward), so that the profile sees
 every op. ``MINDIESD_EXECUTOR=0`` keeps the generated runner everywhere.
 
 Views and ``out=`` writes run below the autograd and view-tracking layers only while grad mode is off and where
 every write in place of the graph goes into a buffer the graph allocates itself (:func:`_writes_own_buffers`):
-nothing outside the forward can observe the version counters or view links that layer would keep.
+nothing outside the forward can observe the version counters or view links that layer would keep, except where
+an output is a view. The views that reach an output (:func:`_output_views`) therefore run above that layer, so
+outputs keep eager's view relation with each other and with the inputs (``_base``, one version counter, autograd's
+check of an in-place write to a saved tensor).
 """
 
 from __future__ import annotations
@@ -97,6 +101,43 @@ def _writes_own_buffers(nodes: List[Node]) -> bool:
     return True
 
 
+_TENSOR_TYPES = frozenset({"Tensor", "Optional[Tensor]", "Tensor?"})
+_INT_LISTS = frozenset({"List[int]", "int[]", "SymInt[]", "List[SymInt]", "Optional[List[int]]"})
+
+#: The instruction name of a Python operator on numbers (``_cpp/executor.cpp`` computes it, named by overload).
+_ARITHMETIC_OP = "mindiesd::arithmetic"
+
+#: Python's operators on sizes that the executor computes, by the name the C++ side knows them by.
+_ARITHMETIC: Dict[Any, str] = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.floordiv: "floordiv",
+    operator.mod: "mod", operator.truediv: "truediv", operator.neg: "neg", operator.pow: "pow",
+    torch.sym_max: "max", torch.sym_min: "min", torch.sym_float: "float", torch.sym_int: "int", torch.sym_sum: "sum",
+    operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt",
+    operator.ge: "ge",
+}
+
+
+def _is_number(node: Node) -> bool:
+    """Whether the traced value of ``node`` is a number (a ``SymInt``, ``SymFloat``, ``SymBool`` or plain)."""
+    value = node.meta.get("val")
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _output_views(output: Node) -> List[Node]:
+    """The view ops whose results reach a graph output through views only. They run above the view-tracking
+    layer, so that an output keeps eager's view relation (``_base``, a shared version counter) with the tensor
+    it views: another output, an input or an intermediate two outputs view."""
+    found: List[Node] = []
+    values = output.args[0] if output.op == "output" and isinstance(output.args[0], (list, tuple)) else ()
+    for value in values:
+        while isinstance(value, Node) and value.op == "call_function" and \
+                (value.target in _VIEWS or value.target is operator.getitem):
+            if value.target is not operator.getitem and value not in found:
+                found.append(value)
+            value = value.args[0]
+    return found
+
+
 def _list_kind(type_text: str) -> Optional[str]:
     if type_text in ("List[Tensor]", "Tensor[]"):
         return "tensors"
@@ -121,7 +162,8 @@ def _schema_of(target: Any) -> tuple:
     return found
 
 
-Instruction = Tuple[str, str, List[Tuple[str, Any]], List[int], List[Tuple[int, int]], List[int], Optional[tuple]]
+Instruction = Tuple[str, str, List[Tuple[str, Any]], List[int], List[Tuple[int, int]], List[int], Optional[tuple],
+                    bool]
 
 
 class _Builder:
@@ -142,8 +184,20 @@ class _Builder:
         if isinstance(value, Node):
             if value not in self.slot:
                 raise _Unsupported(f"{value.name} is not one value")
+            if type_text in _TENSOR_TYPES and _is_number(value):
+                return ("scalar", self.slot[value])  # a symbolic number where a tensor goes: wrapped per call
             return ("slot", self.slot[value])
         if isinstance(value, (list, tuple)) and any(isinstance(v, Node) for v in value):
+            if type_text in _INT_LISTS:
+                items = []
+                for item in value:
+                    if isinstance(item, Node) and item in self.slot and _is_number(item):
+                        items.append((True, self.slot[item]))
+                    elif type(item) is int:
+                        items.append((False, item))
+                    else:
+                        raise _Unsupported(f"a {type_text} element {item!r}")
+                return ("ints", items)
             kind = _list_kind(type_text)
             if kind is None:
                 raise _Unsupported(f"a list of values for {type_text}")
@@ -156,7 +210,7 @@ class _Builder:
                 else:
                     raise _Unsupported("a list mixing values and constants")
             return (kind, slots)
-        if type_text in ("Tensor", "Optional[Tensor]", "Tensor?") and type(value) in (bool, int, float):
+        if type_text in _TENSOR_TYPES and type(value) in (bool, int, float):
             return ("number", value)
         return ("const", value)
 
@@ -192,7 +246,29 @@ class _Builder:
         if getitems and node not in self.elements and node not in self.returns:
             raise _Unsupported(f"getitem of the one return of {target}")
         self.at[node] = len(self.instructions)
-        self.instructions.append([name, overload, args, outs, [], [], self.direct(node)])
+        self.instructions.append([name, overload, args, outs, [], [], self.direct(node), False])
+
+    def arithmetic(self, node: Node) -> None:
+        """A Python operator on the graph's sizes (``SymInt``/``SymFloat`` values, numbers): one instruction that
+        computes it in C++ with Python's semantics."""
+        name = _ARITHMETIC.get(node.target)
+        values = node.args[0] if name == "sum" and len(node.args) == 1 else node.args
+        if name is None or node.kwargs or not isinstance(values, (list, tuple)) or not values or \
+                name != "sum" and len(values) > 2:
+            raise _Unsupported(f"the callable {node.target}")
+        args = []
+        for value in values:
+            if isinstance(value, Node):
+                if value not in self.slot or not _is_number(value):
+                    raise _Unsupported(f"{node.target} of {value.name}")
+                args.append(("slot", self.slot[value]))
+            elif type(value) in (bool, int, float):
+                args.append(("const", value))
+            else:
+                raise _Unsupported(f"{node.target} of {value!r}")
+        self.slot[node] = self.new()
+        self.at[node] = len(self.instructions)
+        self.instructions.append([_ARITHMETIC_OP, name, args, [self.slot[node]], [], [], None, False])
 
     def getitem(self, node: Node) -> None:
         source, index = node.args if len(node.args) == 2 and not node.kwargs else (None, None)
@@ -295,6 +371,8 @@ def instructions(gm: GraphModule, facts: Mapping[str, Any]) -> Optional[Tuple[in
                 builder.getitem(node)
             elif node.op == "call_function" and type(node.target) is torch._ops.OpOverload:
                 builder.operator(node)
+            elif node.op == "call_function" and node.target in _ARITHMETIC:
+                builder.arithmetic(node)
             elif node.op == "output":
                 value = node.args[0]
                 if not isinstance(value, (list, tuple)):
@@ -320,12 +398,16 @@ def instructions(gm: GraphModule, facts: Mapping[str, Any]) -> Optional[Tuple[in
     for index, instruction in enumerate(builder.instructions):
         direct = instruction[6]
         for kind, value in instruction[2] + (direct[1] if direct else []):
-            if kind == "slot":
+            if kind in ("slot", "scalar"):
                 last[value] = index
             elif kind in ("tensors", "optional_tensors"):
                 for slot in value:
                     if slot >= 0:
                         last[slot] = index
+            elif kind == "ints":
+                for is_slot, item in value:
+                    if is_slot:
+                        last[item] = index
         for slot in instruction[3] + [slot for _, slot in instruction[4]]:  # a value nobody reads
             if slot >= 0:
                 last.setdefault(slot, index)
@@ -333,6 +415,8 @@ def instructions(gm: GraphModule, facts: Mapping[str, Any]) -> Optional[Tuple[in
         if slot not in kept:
             builder.instructions[index][5].append(slot)
             _take(builder.instructions[index][2], slot)
+    for node in _output_views(nodes[-1]):
+        builder.instructions[builder.at[node]][7] = True
     inputs = placeholders + [slot for slot, _ in attributes]
     return (builder.count, inputs, [tuple(i) for i in builder.instructions], outputs, output_is_list,
             _writes_own_buffers(nodes), [target for _, target in attributes])
@@ -436,5 +520,6 @@ class Bound:
     @property
     def runs_in_cpp(self) -> bool:
         """Whether calls run through the C++ executor (builds the program when it has not been built)."""
-        program = self.program if self.program is not None else self._build()
+        executed = self.executed
+        program = executed.program if executed.program is not None else executed._build()
         return program is not False

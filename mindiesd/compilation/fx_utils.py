@@ -69,6 +69,16 @@ def known_eq(a: Any, b: Any) -> bool:
         return False
 
 
+def known_row_major(value: torch.Tensor) -> bool:
+    """Whether the (possibly symbolic) strides of ``value`` are row-major for every value of its sizes, decided
+    from the size expressions alone (no guard is added)."""
+    expected, step = [], 1
+    for size in reversed(value.shape):
+        expected.append(step)
+        step = step * (max(size, 1) if type(size) is int else size)
+    return all(known_eq(stride, want) for stride, want in zip(value.stride(), reversed(expected)))
+
+
 def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
     """Equal sizes (or strides), provably."""
     return len(a) == len(b) and all(known_eq(x, y) for x, y in zip(a, b))

@@ -34,7 +34,7 @@ from typing import Any, Dict, Hashable, List, Optional, Tuple
 import torch
 from torch.fx import Graph, Node
 
-from .fx_utils import fake_call, is_call, same_layout, tensor_val, writes_in_place
+from .fx_utils import fake_call, is_call, known_eq, known_row_major, same_layout, tensor_val, writes_in_place
 
 __all__ = ["dedupe", "identities", "concatenate_first", "pair_tables", "linear_calls", "unsqueeze_first",
            "collapse_views", "tidy"]
@@ -139,14 +139,19 @@ def collapse_views(graph: Graph) -> int:
         while is_call(base, *_RESHAPES):
             base = base.args[0]
         out, source = tensor_val(node), tensor_val(base)
-        if out is None or source is None or not _static(out) or not _static(source):
+        if out is None or source is None:
             continue
-        shape = [int(s) for s in out.shape]
+        if _static(out) and _static(source):
+            shape = [int(s) for s in out.shape]
+        elif is_call(node, aten.view.default, aten._unsafe_view.default) and isinstance(node.args[1], (list, tuple)):
+            shape = list(node.args[1])  # symbolic sizes: the last view's own size arguments
+        else:
+            continue
         try:
             value = fake_call(aten.view.default, (base, shape), {}, _traced)
         except Exception:  # noqa: BLE001  (not a view of the base: leave the chain)
             continue
-        if not same_layout(value, out) or value.storage_offset() != out.storage_offset():
+        if not same_layout(value, out) or not known_eq(value.storage_offset(), out.storage_offset()):
             continue
         previous = node.args[0]
         with graph.inserting_before(node):
@@ -541,8 +546,8 @@ def _same_memory(a: Any, b: Any) -> bool:
 def _unchanged(view: Node) -> bool:
     """A reshape whose result has its input's shape, strides and offset (and is not an output)."""
     out, source = tensor_val(view), tensor_val(view.args[0])
-    return (out is not None and source is not None and _static(out) and _static(source)
-            and same_layout(out, source) and out.storage_offset() == source.storage_offset()
+    return (out is not None and source is not None and same_layout(out, source)
+            and known_eq(out.storage_offset(), source.storage_offset())
             and not any(user.op == "output" for user in view.users))
 
 
@@ -559,7 +564,8 @@ def linear_calls(graph: Graph) -> int:
             continue
         weight = transposed.args[0]
         b, w, out = tensor_val(bias), tensor_val(weight), tensor_val(node)
-        if b is None or w is None or out is None or b.dim() != 1 or w.dim() != 2 or not _static(out):
+        if b is None or w is None or out is None or b.dim() != 1 or w.dim() != 2 or out.dim() != 2 \
+                or type(out.shape[1]) is not int:
             continue
         source = rows
         if is_call(rows, aten.view.default) and _is_row_view(rows):
@@ -570,8 +576,8 @@ def linear_calls(graph: Graph) -> int:
             linear = graph.call_function(aten.linear.default, (source, weight, bias))
             linear.meta["val"] = fake_call(aten.linear.default, (source, weight, bias), {}, _traced)
             result = linear
-            if source is not rows:
-                result = graph.call_function(aten.view.default, (linear, [int(s) for s in out.shape]))
+            if source is not rows:  # the rows' count as the row view has it (a size the graph computes, or an int)
+                result = graph.call_function(aten.view.default, (linear, [rows.args[1][0], int(out.shape[1])]))
                 result.meta["val"] = fake_call(aten.view.default, result.args, {}, _traced)
         if not same_layout(result.meta["val"], out):
             for created in (result, linear) if result is not linear else (linear,):
@@ -586,10 +592,15 @@ def linear_calls(graph: Graph) -> int:
 
 
 def _is_row_view(view: Node) -> bool:
-    """``view(x, [M, K])`` of a contiguous 3-D ``x`` of static shape: the rows ATen's linear flattens it into."""
+    """``view(x, [M, K])`` of a contiguous 3-D ``x``: the rows ATen's linear flattens it into (with symbolic sizes:
+    provably so at every size)."""
     x = tensor_val(view.args[0])
-    return (x is not None and x.dim() == 3 and _static(x) and x.is_contiguous()
-            and list(view.args[1]) == [int(x.shape[0]) * int(x.shape[1]), int(x.shape[2])])
+    shape = view.args[1] if len(view.args) == 2 else None
+    if x is None or x.dim() != 3 or not isinstance(shape, (list, tuple)) or len(shape) != 2:
+        return False
+    if _static(x):
+        return x.is_contiguous() and list(shape) == [int(x.shape[0]) * int(x.shape[1]), int(x.shape[2])]
+    return known_row_major(x) and known_eq(shape[0], x.shape[0] * x.shape[1]) and known_eq(shape[1], x.shape[2])
 
 
 def _static(value: torch.Tensor) -> bool:

@@ -134,3 +134,33 @@ def test_three_resolutions_compile_once_and_fuse_as_static(name, sizes, dynamic)
     assert counts == static, "the dynamic graph fuses every site the static one does"
     assert all(static[f] > 0 for f in ("norm_rope", "adalayernorm", "mul_add"))  # Flux's norms are all in norm_rope
     _assert_matches_eager(case.model, inputs, outputs)
+
+
+def test_taylorseer_step_cache_runs_fused_without_a_fallback():
+    """diffusers' TaylorSeer cache passes the step distance as an int that changes between calls: Dynamo makes it a
+    symbolic graph input, which the executor takes as a number. Every step equals eager's with the same cache."""
+    from diffusers import TaylorSeerCacheConfig
+    from mindiesd import zoo
+
+    def steps(compiled):
+        case = zoo.build("flux", "tiny")
+        model = case.model
+        model.enable_cache(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, max_order=1,
+                                                 taylor_factors_dtype=torch.float32))
+        backend = MindieSDBackend(keep_graphs=True)
+        run = torch.compile(model, backend=backend) if compiled else model
+        outputs = []
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", MindieSDFallbackWarning)
+            for _ in range(6):
+                with model.cache_context("cond"):
+                    outputs.append(run(**case.inputs)[0])
+        return outputs, backend
+
+    torch._dynamo.reset()
+    expected, _ = steps(False)
+    actual, backend = steps(True)
+    assert backend.report().fallbacks == [] and sum(count_fused(backend).values()) > 0
+    for out, want in zip(actual, expected):
+        rtol, atol = TOLERANCE[want.dtype]
+        torch.testing.assert_close(out, want, rtol=rtol, atol=atol)

@@ -3,6 +3,7 @@ model's graph, bit for bit what the generated Python runner computes; it keeps t
 graph (symbolic sizes, a profiler recording, no C++ kernels), and calls Python kernels, autograd and writes in
 place as a Python call of each op would."""
 
+import operator
 import warnings
 
 import pytest
@@ -97,10 +98,10 @@ def _block(x, w, scale, shift, gate):
     return x + gate * F.gelu(h, approximate="tanh")
 
 
-def _block_inputs(dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
+def _block_inputs(rows=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(rows)
     return tuple(torch.randn(*shape, generator=g).to(dtype)
-                 for shape in ((2, 8, 32), (32,), (2, 1, 32), (2, 1, 32), (2, 1, 32)))
+                 for shape in ((2, rows, 32), (32,), (2, 1, 32), (2, 1, 32), (2, 1, 32)))
 
 
 @needs_program
@@ -139,13 +140,60 @@ def test_linear_layers_run_their_cpp_entry_with_torch_linear_bits(dtype, builds)
     assert all(torch.equal(run, expected) for run in runs)
 
 
-def test_symbolic_sizes_keep_the_generated_runner(builds):
-    args = _block_inputs()
-    with torch.no_grad():
-        actual, expected, _, backend = run_compiled(_block, *args, dynamic=True)
-    assert len(builds) == 1 and _symbolic(backend.graphs[0])
-    assert_close(actual, expected)
-    assert executor.instructions(backend.graphs[0], {}) is None
+@needs_program
+def test_a_graph_with_symbolic_sizes_runs_in_the_executor_at_every_size(builds):
+    """Sizes the graph computes (``sym_size``, Python arithmetic on them) are evaluated per call in C++; views take
+    them, fused ops keep their straight C++ calls, and every size matches eager."""
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
+    compiled = torch.compile(_block, backend=backend, dynamic=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        for rows in (8, 12, 8, 20):
+            args = _block_inputs(rows)
+            assert_close(compiled(*args), _block(*args))
+    assert _symbolic(backend.graphs[0]) and builds == [True]
+    program = builds.runners[0].program
+    assert program is not False and program.direct_calls > 0
+
+
+@needs_program
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_symbolic_int_and_float_arguments_are_numbers_in_the_executor(builds, k):
+    """An int argument that changes between calls becomes a symbolic graph input, read where a tensor goes
+    (``div.Tensor(x, k)``): the executor wraps it per call as Python would, without falling back."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, k, s: (x * 2.0 - 1.0) / k + s, backend=MindieSDBackend(
+        CompilationConfig(cache_dir=None)))
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        for kk, scale in ((k, 0.5), (k + 1, 1.5), (k + 3, 2.5)):
+            torch.testing.assert_close(compiled(x, kk, scale), (x * 2.0 - 1.0) / kk + scale)
+    assert builds and all(builds)
+
+
+def test_arithmetic_on_sizes_has_pythons_semantics():
+    """Floor division and modulo round toward negative infinity; true division gives a float."""
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    for placeholder in (a, b):
+        placeholder.meta["val"] = 0
+    ops = [operator.floordiv, operator.mod, operator.truediv, operator.mul, operator.sub, torch.sym_max]
+    values = [graph.call_function(op, (a, b)) for op in ops]
+    for value in values:
+        value.meta["val"] = 0
+    graph.output(tuple(graph.call_function(torch.ops.aten.scalar_tensor.default, (v,)) for v in values))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    spec = executor.instructions(gm, {})
+    module = cpp_build.extension()
+    if spec is None or module is None or not hasattr(module, "Program"):
+        pytest.skip("no C++ kernels extension in this process")
+    count, inputs, program, outputs, output_is_list, below, _ = spec
+    built = module.Program(count, inputs, list(program), outputs, output_is_list, below)
+    for x, y in ((7, 2), (-7, 2), (7, -2), (-7, -3)):
+        got = [t.item() for t in built.run((x, y))]
+        assert got == pytest.approx([op(x, y) for op in ops], rel=1e-6)  # scalar_tensor: float32
 
 
 @needs_program
@@ -322,7 +370,7 @@ def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geome
         b = aten.unsqueeze.default(parts[1], 0)
         c = aten.slice.Tensor(aten.select.int(b, 1, 2), 1, 1, 3)
         d = aten.t.default(aten.select.int(parts[0], 0, 1))
-        return (c, d, aten.mul.Tensor(c, 2.0))
+        return (aten.mul.Tensor(c, 2.0), aten.add.Tensor(d, 1.0))  # views that reach an output are never memoised
 
     base = torch.arange(5 * 4 * 3, dtype=torch.float32)
     gm = _graph(views, base.view(5, 4, 3))
@@ -337,8 +385,6 @@ def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geome
             actual = built.run((x,))
         for got, want in zip(actual, expected):
             assert torch.equal(got, want) and got.stride() == want.stride()
-            assert got.storage_offset() == want.storage_offset()
-        assert actual[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
     check(base.view(5, 4, 3))  # the first call: each op runs, its results are kept
     assert built.memoised_views == 0
@@ -371,3 +417,84 @@ def test_a_graph_loaded_from_the_cache_runs_in_the_executor(builds, tmp_path):
     assert (first_outcome, second_outcome) == ("stored", "hit")
     assert builds == [True, True] and [runner.program.direct_calls for runner in builds.runners] == [8, 8]
     assert torch.equal(fresh, loaded)
+
+
+def _aliasing(x):
+    h = x * 2 + 1
+    return h, h.view(-1)
+
+
+@needs_program
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_outputs_that_view_each_other_keep_eagers_view_relation(builds, grad_mode):
+    """An output that is a view of another output is that output's view, as in eager: its ``_base``, one version
+    counter, and autograd's check of a saved tensor written in place fires. With grad mode on nothing requires
+    grad, so the graph runs as an inference call with grad mode switched off in C++."""
+    x = torch.randn(2, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(_aliasing, backend=MindieSDBackend(CompilationConfig(cache_dir=None)))
+    with torch.set_grad_enabled(grad_mode):
+        compiled(x)
+        a, b = compiled(x)  # the second call: the program's own path
+    assert builds == [True]
+    assert torch.equal(b, _aliasing(x)[1])
+    assert b._base is a and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    version = a._version
+    b.add_(0)
+    assert a._version == version + 1
+    w = torch.ones(4, requires_grad=True)
+    loss = (a.view(-1) * w).sum()
+    b.mul_(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@needs_program
+def test_outputs_viewing_one_intermediate_share_its_version_counter(builds):
+    """Two outputs that view one intermediate the graph does not return share its version counter (eager: both
+    have that intermediate as ``_base``); a view of an input stays a view of the input."""
+    def views(x):
+        h = x + 1
+        return h.view(-1), h.t(), x.view(-1)
+
+    x = torch.randn(3, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(views, backend=MindieSDBackend(CompilationConfig(cache_dir=None)))
+    with torch.no_grad():
+        compiled(x)
+        flat, transposed, of_input = compiled(x)
+    assert builds and all(builds)
+    assert flat._base is not None and flat._base is transposed._base
+    version = transposed._version
+    flat.mul_(2)
+    assert transposed._version == version + 1 and torch.equal(transposed, (x + 1).t() * 2)
+    assert of_input._base is x
+    of_input.add_(1)
+    assert x._version > 0
+
+
+@needs_program
+def test_views_that_reach_an_output_are_marked_to_run_above_the_view_tracking_layer():
+    aten = torch.ops.aten
+
+    def graph(x):
+        h = aten.mul.Tensor(x, 2.0)
+        inner = aten.view.default(h, [-1])  # read by a computation only: may run below
+        return (h, aten.t.default(aten.permute.default(h, [1, 0])), aten.add.Tensor(inner, 1.0))
+
+    gm = _graph(graph, torch.randn(3, 4))
+    _, _, program, _, _, below, _ = executor.instructions(gm, {})
+    tracked = sorted(instruction[0] for instruction in program if instruction[7])
+    assert below is True and tracked == ["aten::permute", "aten::t"]
+
+
+@needs_program
+def test_bound_runs_in_cpp_says_whether_the_program_runs():
+    aten = torch.ops.aten
+    gm = _graph(lambda x: (aten.mul.Tensor(x, 2.0),), torch.randn(3))
+    runner = executor.runner(gm, {})
+    assert isinstance(runner, executor.Executed)
+    assert runner.inference().runs_in_cpp is True
+    assert runner.bound([0], lambda args: ()).runs_in_cpp is True
+    python_only = executor.runner(torch.fx.symbolic_trace(lambda x: (torch.sin(x) + 1,)), {})
+    assert not isinstance(python_only, executor.Executed) or python_only.inference().runs_in_cpp is False

@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from fusion_utils import assert_close, compile_zoo_model, run_compiled
-from mindiesd.compilation import CompilationConfig
+from mindiesd.compilation import CompilationConfig, MindieSDBackend
 from mindiesd.compilation import backend as backend_module
 
 aten = torch.ops.aten
@@ -110,6 +110,28 @@ def test_a_linear_layer_is_one_call_with_eager_bits():
     assert calls[aten.linear.default] == 2
     for a, e in zip(actual, expected):
         assert torch.equal(a, e) and a.stride() == e.stride()
+
+
+def test_with_symbolic_sizes_a_linear_layer_is_one_call_and_reshapes_one_view():
+    """Under dynamic=True the rows' count is a size the graph computes: the linear layer is still one call (the row
+    view proven at every size from the size expressions) and a chain of reshapes one view; every size matches
+    eager bit for bit."""
+    lin = torch.nn.Linear(16, 24)
+
+    def fn(x):
+        return (lin(x).view(x.shape[0], x.shape[1], 4, 6) * 2).view(x.shape[0], -1, 24)
+
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None), keep_graphs=True)
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for rows in (5, 7, 12):
+            x = _randn(2, rows, 16, seed=rows)
+            assert torch.equal(compiled(x), fn(x))
+    calls = _calls(backend.graphs[0])
+    assert calls[aten.linear.default] == 1 and calls[aten.addmm.default] == calls[aten.t.default] == 0
+    chained = [n for n in backend.graphs[0].graph.nodes
+               if n.target in _RESHAPES and getattr(n.args[0], "target", None) in _RESHAPES]
+    assert chained == []
 
 
 def test_flux_rotary_tables_take_one_cos_one_sin_and_equal_eager_bit_for_bit():

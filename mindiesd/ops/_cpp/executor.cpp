@@ -1,9 +1,10 @@
-// executor: runs a fused graph whose shapes are static as one call from
+// executor: runs a fused graph (static or symbolic sizes) as one call from
 // Python.  The graph arrives once, as a list of instructions built by
 // mindiesd/compilation/executor.py: per node, the operator's handle, where each
 // of its schema arguments comes from (a value slot, a list of slots, or a
 // constant converted once to the schema's type), the slots its returns go to
-// and the slots released after it.  A run fills the input slots, calls each
+// and the slots released after it; Python's arithmetic on a graph's symbolic
+// sizes is an instruction of its own.  A run fills the input slots, calls each
 // operator through the dispatcher's boxed entry (what a Python call of the op
 // reaches, without parsing Python arguments or wrapping every result in a
 // Python object) and returns the output values.  A fused op with a C++ CPU
@@ -18,12 +19,16 @@
 // (view, permute, split, ...) whose input has the sizes and strides it had on
 // the op's first call makes its results as that call did, without a call: the
 // sizes, strides and storage offset of a view are a function of its input's
-// sizes and strides and of the op's constant arguments.  The GIL is released
+// sizes and strides and of the op's constant arguments.  A view whose result
+// reaches a graph output ("tracked") always runs above the view-tracking layer
+// and is never memoised: the caller sees its base and version counter, as in
+// eager.  The GIL is released
 // while the operators run; kernels written in Python take it back themselves.
 
 #include "kernels.h"
 
 #include <ATen/ScalarOps.h>
+#include <c10/util/SmallVector.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -33,6 +38,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -52,12 +59,126 @@ using c10::IValue;
 
 // Where an argument's value comes from.
 struct Arg {
-  // kTake: a slot's last read, moved rather than copied into the boxed call's stack
-  enum Kind : int8_t { kSlot, kTake, kConst, kTensors, kOptionalTensors } kind = kConst;
-  int64_t slot = -1;           // kSlot / kTake
+  // kTake: a slot's last read, moved rather than copied into the boxed call's stack; kScalar: a slot holding a
+  // number (a symbolic size) where the schema takes a tensor; kInts: a list of ints, each a slot or a constant
+  enum Kind : int8_t { kSlot, kTake, kConst, kTensors, kOptionalTensors, kScalar, kInts } kind = kConst;
+  int64_t slot = -1;           // kSlot / kTake / kScalar
   IValue value;                // kConst
-  std::vector<int64_t> slots;  // kTensors / kOptionalTensors (-1: None)
+  std::vector<int64_t> slots;  // kTensors / kOptionalTensors (-1: None); kInts: the slot of each element or -1
+  std::vector<int64_t> ints;   // kInts: the constant elements
 };
+
+// Python's operators on a graph's sizes (compilation/executor.py's _ARITHMETIC).
+enum class Arithmetic : int {
+  kNone = -1, kAdd, kSub, kMul, kFloorDiv, kMod, kTrueDiv, kNeg, kPow, kMax, kMin, kFloat, kInt,
+  kEq, kNe, kLt, kLe, kGt, kGe, kSum,
+};
+
+Arithmetic arithmetic_named(const std::string& name) {
+  static const std::pair<const char*, Arithmetic> kNames[] = {
+      {"add", Arithmetic::kAdd}, {"sub", Arithmetic::kSub}, {"mul", Arithmetic::kMul},
+      {"floordiv", Arithmetic::kFloorDiv}, {"mod", Arithmetic::kMod}, {"truediv", Arithmetic::kTrueDiv},
+      {"neg", Arithmetic::kNeg}, {"pow", Arithmetic::kPow}, {"max", Arithmetic::kMax}, {"min", Arithmetic::kMin},
+      {"float", Arithmetic::kFloat}, {"int", Arithmetic::kInt}, {"eq", Arithmetic::kEq}, {"ne", Arithmetic::kNe},
+      {"lt", Arithmetic::kLt}, {"le", Arithmetic::kLe}, {"gt", Arithmetic::kGt}, {"ge", Arithmetic::kGe},
+      {"sum", Arithmetic::kSum}};
+  for (const auto& [known, op] : kNames) {
+    if (name == known) {
+      return op;
+    }
+  }
+  throw std::invalid_argument("no arithmetic named " + name);
+}
+
+// Python's floor division and modulo of ints (rounding toward negative infinity).
+int64_t floor_div(int64_t a, int64_t b) {
+  if (b == 0) {
+    throw std::domain_error("integer division or modulo by zero");
+  }
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+int64_t python_mod(int64_t a, int64_t b) {
+  return a - floor_div(a, b) * b;
+}
+
+IValue compute(Arithmetic op, const IValue& a, const IValue& b) {
+  const bool ints = (a.isInt() || a.isBool()) && (b.isNone() || b.isInt() || b.isBool());
+  const auto as_int = [](const IValue& v) { return v.isBool() ? static_cast<int64_t>(v.toBool()) : v.toInt(); };
+  const auto as_double = [&](const IValue& v) { return v.isDouble() ? v.toDouble() : static_cast<double>(as_int(v)); };
+  switch (op) {
+    case Arithmetic::kNeg:
+      return a.isDouble() ? IValue(-a.toDouble()) : IValue(-as_int(a));
+    case Arithmetic::kFloat:
+      return IValue(as_double(a));
+    case Arithmetic::kInt:
+      return IValue(a.isDouble() ? static_cast<int64_t>(a.toDouble()) : as_int(a));
+    case Arithmetic::kTrueDiv:
+      return IValue(as_double(a) / as_double(b));
+    case Arithmetic::kEq: return IValue(ints ? as_int(a) == as_int(b) : as_double(a) == as_double(b));
+    case Arithmetic::kNe: return IValue(ints ? as_int(a) != as_int(b) : as_double(a) != as_double(b));
+    case Arithmetic::kLt: return IValue(ints ? as_int(a) < as_int(b) : as_double(a) < as_double(b));
+    case Arithmetic::kLe: return IValue(ints ? as_int(a) <= as_int(b) : as_double(a) <= as_double(b));
+    case Arithmetic::kGt: return IValue(ints ? as_int(a) > as_int(b) : as_double(a) > as_double(b));
+    case Arithmetic::kGe: return IValue(ints ? as_int(a) >= as_int(b) : as_double(a) >= as_double(b));
+    default:
+      break;
+  }
+  if (ints) {
+    const int64_t x = as_int(a), y = as_int(b);
+    switch (op) {
+      case Arithmetic::kAdd: return IValue(x + y);
+      case Arithmetic::kSub: return IValue(x - y);
+      case Arithmetic::kMul: return IValue(x * y);
+      case Arithmetic::kFloorDiv: return IValue(floor_div(x, y));
+      case Arithmetic::kMod: return IValue(python_mod(x, y));
+      case Arithmetic::kMax: return IValue(std::max(x, y));
+      case Arithmetic::kMin: return IValue(std::min(x, y));
+      case Arithmetic::kPow:
+        if (y >= 0) {
+          int64_t result = 1;
+          for (int64_t i = 0; i < y; ++i) {
+            result *= x;
+          }
+          return IValue(result);
+        }
+        return IValue(std::pow(static_cast<double>(x), static_cast<double>(y)));
+      default:
+        break;
+    }
+  } else {
+    const double x = as_double(a), y = as_double(b);
+    switch (op) {
+      case Arithmetic::kAdd: return IValue(x + y);
+      case Arithmetic::kSub: return IValue(x - y);
+      case Arithmetic::kMul: return IValue(x * y);
+      case Arithmetic::kFloorDiv: return IValue(std::floor(x / y));
+      case Arithmetic::kMod: return IValue(x - std::floor(x / y) * y);
+      case Arithmetic::kMax: return IValue(std::max(x, y));
+      case Arithmetic::kMin: return IValue(std::min(x, y));
+      case Arithmetic::kPow: return IValue(std::pow(x, y));
+      default:
+        break;
+    }
+  }
+  throw std::logic_error("unknown arithmetic");
+}
+
+// A number as the 0-dim "wrapped number" tensor that Python's argument parser makes of it, which type promotion
+// treats as a scalar.
+Tensor wrapped_number(const IValue& number) {
+  Tensor wrapped;
+  if (number.isBool()) {
+    wrapped = at::scalar_to_tensor(c10::Scalar(number.toBool()));
+  } else if (number.isInt()) {
+    wrapped = at::scalar_to_tensor(c10::Scalar(number.toInt()));
+  } else {
+    wrapped = at::scalar_to_tensor(c10::Scalar(number.toDouble()));
+  }
+  wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return wrapped;
+}
 
 // The fused ops whose entry points the executor calls straight (kernels.h).
 enum class Entry : int {
@@ -114,14 +235,25 @@ struct Geometry {
   int64_t delta = 0;
 };
 
-// What a view op made of an input of one geometry on its first call (filled once; read without a lock after).
-struct ViewMemo {
+// What a view op made of an input of one geometry, with one set of int arguments (a graph's symbolic sizes), on
+// the first call that met them (filled once; read without a lock after).
+struct ViewMemoEntry {
   std::atomic<int> state{0};  // 0: empty, 1: being filled, 2: ready, 3: not memoised
   std::vector<int64_t> sizes, strides;  // the input's
+  std::vector<int64_t> ints;  // the int arguments that are values, in order
   c10::DispatchKeySet keys;
   bool list = false;  // the op returns a list of views
   std::vector<Geometry> results;
 };
+
+// A view op's memoised results for up to kViewGeometries input geometries (the sizes a graph with symbolic sizes
+// serves most; later ones run the op).
+constexpr size_t kViewGeometries = 8;
+struct ViewMemo {
+  std::array<ViewMemoEntry, kViewGeometries> entries;
+};
+
+using ViewInts = c10::SmallVector<int64_t, 8>;
 
 Tensor view_with(const Tensor& base, const Geometry& geometry) {
   return alias_view(base, geometry.sizes, geometry.strides, base.storage_offset() + geometry.delta);
@@ -139,6 +271,8 @@ struct Instruction {
   std::vector<int64_t> order, inverse;   // a result not row-major: the adapter's permutations
   std::vector<int64_t> moved;            // direct arguments permuted into the result's order
   std::unique_ptr<ViewMemo> view;        // a view op whose first argument is a value: its first call's results
+  bool tracked = false;                  // a view reaching an output: made above the view-tracking layer
+  Arithmetic arithmetic = Arithmetic::kNone;  // a Python operator on numbers, not an operator call
 };
 
 const Tensor& tensor_at(const std::vector<IValue>& slots, int64_t slot) {
@@ -236,6 +370,7 @@ class Program {
       // views made without a call only where no dispatch mode is there to see every op (a device-graph capture's
       // recording, a FakeTensorMode)
       const bool fast_views = below && c10::impl::TorchDispatchModeTLS::stack_len() == 0;
+      const c10::impl::LocalDispatchKeySet above = c10::impl::tls_local_dispatch_key_set();
       std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
       if (below) {
         guard.emplace();
@@ -243,7 +378,12 @@ class Program {
       torch::jit::Stack stack;
       stack.reserve(16);
       for (const Instruction& in : program_) {
-        execute(in, slots, stack, fast_views);
+        if (in.tracked && below) {
+          c10::impl::ForceDispatchKeyGuard tracked(above);
+          execute(in, slots, stack, false);
+        } else {
+          execute(in, slots, stack, fast_views);
+        }
       }
     }
     py::tuple result(outputs_.size());
@@ -293,16 +433,24 @@ class Program {
       // parser makes of it, which type promotion treats as a scalar
       arg.kind = Arg::kConst;
       const py::handle number = tuple[1];
-      at::Tensor wrapped;
       if (PyBool_Check(number.ptr())) {
-        wrapped = at::scalar_to_tensor(c10::Scalar(py::cast<bool>(number)));
+        arg.value = wrapped_number(IValue(py::cast<bool>(number)));
       } else if (PyLong_Check(number.ptr())) {
-        wrapped = at::scalar_to_tensor(c10::Scalar(py::cast<int64_t>(number)));
+        arg.value = wrapped_number(IValue(py::cast<int64_t>(number)));
       } else {
-        wrapped = at::scalar_to_tensor(c10::Scalar(py::cast<double>(number)));
+        arg.value = wrapped_number(IValue(py::cast<double>(number)));
       }
-      wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
-      arg.value = std::move(wrapped);
+    } else if (kind == "scalar") {
+      arg.kind = Arg::kScalar;
+      arg.slot = py::cast<int64_t>(tuple[1]);
+    } else if (kind == "ints") {
+      arg.kind = Arg::kInts;
+      for (const auto& item : py::reinterpret_borrow<py::list>(tuple[1])) {
+        const auto pair = py::reinterpret_borrow<py::tuple>(item);
+        const bool is_slot = py::cast<bool>(pair[0]);
+        arg.slots.push_back(is_slot ? py::cast<int64_t>(pair[1]) : -1);
+        arg.ints.push_back(is_slot ? 0 : py::cast<int64_t>(pair[1]));
+      }
     } else if (kind == "tensors" || kind == "optional_tensors") {
       arg.kind = kind == "tensors" ? Arg::kTensors : Arg::kOptionalTensors;
       arg.slots = py::cast<std::vector<int64_t>>(tuple[1]);
@@ -313,10 +461,36 @@ class Program {
   }
 
   static Instruction instruction(const py::tuple& spec) {
-    // (name, overload, args, outs, unpack, frees, direct)
+    // (name, overload, args, outs, unpack, frees, direct, tracked)
     Instruction in;
+    if (spec.size() != 8) {
+      throw std::invalid_argument("an instruction has 8 fields, got " + std::to_string(spec.size()));
+    }
     const auto name = py::cast<std::string>(spec[0]);
     const auto overload = py::cast<std::string>(spec[1]);
+    if (name == "mindiesd::arithmetic") {  // (name, operator, [(slot|const, value)], [out], [], frees, None, False)
+      in.arithmetic = arithmetic_named(overload);
+      for (const auto& item : py::reinterpret_borrow<py::list>(spec[2])) {
+        const auto tuple = py::reinterpret_borrow<py::tuple>(item);
+        Arg arg;
+        const auto kind = py::cast<std::string>(tuple[0]);
+        if (kind == "slot" || kind == "take") {
+          arg.kind = Arg::kSlot;
+          arg.slot = py::cast<int64_t>(tuple[1]);
+        } else if (kind == "const") {
+          arg.value = torch::jit::toIValue(tuple[1], c10::NumberType::get());
+        } else {
+          throw std::invalid_argument("arithmetic " + overload + ": an argument of kind " + kind);
+        }
+        in.args.push_back(std::move(arg));
+      }
+      in.outs = py::cast<std::vector<int64_t>>(spec[3]);
+      in.frees = py::cast<std::vector<int64_t>>(spec[5]);
+      if (in.args.empty() || (in.args.size() > 2 && in.arithmetic != Arithmetic::kSum) || in.outs.size() != 1) {
+        throw std::invalid_argument("arithmetic " + overload + ": one or two arguments (sum: any), one result");
+      }
+      return in;
+    }
     in.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     const auto& schema = in.op->schema();
     const auto args = py::reinterpret_borrow<py::list>(spec[2]);
@@ -338,10 +512,13 @@ class Program {
         in.args.push_back(argument(tuple, arguments[i].type()));
       }
     }
-    if (is_geometric_view(name, overload) && !in.args.empty() &&
+    in.tracked = py::cast<bool>(spec[7]);
+    if (!in.tracked && is_geometric_view(name, overload) && !in.args.empty() &&
         (in.args[0].kind == Arg::kSlot || in.args[0].kind == Arg::kTake) &&
-        std::all_of(in.args.begin() + 1, in.args.end(), [](const Arg& arg) { return arg.kind == Arg::kConst; })) {
-      in.view = std::make_unique<ViewMemo>();  // its other arguments are constants: one geometry per input's
+        std::all_of(in.args.begin() + 1, in.args.end(), [](const Arg& arg) {
+          return arg.kind == Arg::kConst || arg.kind == Arg::kInts || arg.kind == Arg::kSlot || arg.kind == Arg::kTake;
+        })) {
+      in.view = std::make_unique<ViewMemo>();  // its other arguments are constants or ints: memoised per their values
     }
     in.outs = py::cast<std::vector<int64_t>>(spec[3]);
     if (in.outs.size() != schema.returns().size()) {
@@ -383,6 +560,18 @@ class Program {
         return slots[arg.slot];
       case Arg::kConst:
         return arg.value;
+      case Arg::kScalar: {
+        const IValue& value = slots[arg.slot];
+        return value.isTensor() ? value : IValue(wrapped_number(value));
+      }
+      case Arg::kInts: {
+        c10::List<int64_t> list;
+        list.reserve(arg.ints.size());
+        for (size_t i = 0; i < arg.ints.size(); ++i) {
+          list.push_back(arg.slots[i] < 0 ? arg.ints[i] : slots[arg.slots[i]].toInt());
+        }
+        return list;
+      }
       case Arg::kTensors: {
         c10::List<Tensor> list;
         list.reserve(arg.slots.size());
@@ -475,23 +664,61 @@ class Program {
     return result;
   }
 
-  // The results of a view op made as its first call made them; false where the input differs from that call's
-  // (or there was none yet).
-  bool memoised_view(const Instruction& in, std::vector<IValue>& slots) const {
-    const ViewMemo& memo = *in.view;
-    if (memo.state.load(std::memory_order_acquire) != 2) {
-      return false;
+  // The values of a view op's int arguments after its input (the elements of int lists that are values, ints held
+  // in slots), in order; false where one is not an int.
+  static bool view_ints(const Instruction& in, const std::vector<IValue>& slots, ViewInts& ints) {
+    for (size_t i = 1; i < in.args.size(); ++i) {
+      const Arg& arg = in.args[i];
+      if (arg.kind == Arg::kInts) {
+        for (size_t j = 0; j < arg.slots.size(); ++j) {
+          if (arg.slots[j] >= 0) {
+            const IValue& value = slots[arg.slots[j]];
+            if (!value.isInt()) {
+              return false;
+            }
+            ints.push_back(value.toInt());
+          }
+        }
+      } else if (arg.kind == Arg::kSlot || arg.kind == Arg::kTake) {
+        const IValue& value = slots[arg.slot];
+        if (!value.isInt()) {
+          return false;
+        }
+        ints.push_back(value.toInt());
+      }
     }
+    return true;
+  }
+
+  // The results of a view op made as the first call on an input of this geometry with these int arguments made
+  // them; false where no call has met them yet.
+  bool memoised_view(const Instruction& in, std::vector<IValue>& slots, const ViewInts& ints) const {
     const Arg& source = in.args[0];
     const IValue& value = slots[source.slot];
     if (!value.isTensor()) {
       return false;
     }
     const Tensor& base = value.toTensor();
-    if (base.sizes() != at::IntArrayRef(memo.sizes) || base.strides() != at::IntArrayRef(memo.strides) ||
-        base.key_set() != memo.keys || !plain_impl(base)) {
+    if (!plain_impl(base)) {
       return false;
     }
+    const ViewMemoEntry* found = nullptr;
+    for (const ViewMemoEntry& entry : in.view->entries) {
+      const int state = entry.state.load(std::memory_order_acquire);
+      if (state == 0) {
+        break;  // entries fill in order: none after an empty one
+      }
+      if (state == 2 && base.sizes() == at::IntArrayRef(entry.sizes) &&
+          base.strides() == at::IntArrayRef(entry.strides) && at::IntArrayRef(ints) == at::IntArrayRef(entry.ints) &&
+          base.key_set() == entry.keys) {
+        found = &entry;
+        break;
+      }
+    }
+    if (found == nullptr) {
+      return false;
+    }
+    const ViewMemoEntry& memo = *found;
     if (memo.list) {
       c10::List<Tensor> list;
       list.reserve(memo.results.size());
@@ -514,15 +741,25 @@ class Program {
     return true;
   }
 
-  // Keeps what a view op's first call made of its input ``base`` (its geometry before the call) where the results
-  // are plain views of it; marks the op not memoised otherwise.
+  // Keeps, in the first empty entry, what a view op's call made of its input ``base`` (its geometry before the
+  // call) with int arguments ``ints`` where the results are plain views of it; marks the entry not memoised
+  // otherwise.
   static void remember_view(const Instruction& in, const Tensor& base, std::vector<int64_t> sizes,
-                            std::vector<int64_t> strides, int64_t offset, const IValue& returned) {
-    ViewMemo& memo = *in.view;
-    int expected = 0;
-    if (!memo.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+                            std::vector<int64_t> strides, int64_t offset, const ViewInts& ints,
+                            const IValue& returned) {
+    ViewMemoEntry* claimed = nullptr;
+    for (ViewMemoEntry& entry : in.view->entries) {
+      int expected = 0;
+      if (entry.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+        claimed = &entry;
+        break;
+      }
+    }
+    if (claimed == nullptr) {
       return;
     }
+    ViewMemoEntry& memo = *claimed;
+    memo.ints.assign(ints.begin(), ints.end());
     bool ok = true;
     std::vector<Geometry> results;
     auto keep = [&](const IValue& item) {
@@ -556,7 +793,29 @@ class Program {
   }
 
   void execute(const Instruction& in, std::vector<IValue>& slots, torch::jit::Stack& stack, bool fast_views) const {
-    if (in.view && fast_views && memoised_view(in, slots)) {
+    if (in.arithmetic == Arithmetic::kSum) {
+      IValue total = value_of(in.args[0], slots);
+      for (size_t i = 1; i < in.args.size(); ++i) {
+        total = compute(Arithmetic::kAdd, total, value_of(in.args[i], slots));
+      }
+      slots[in.outs[0]] = std::move(total);
+      for (const int64_t slot : in.frees) {
+        slots[slot] = IValue();
+      }
+      return;
+    }
+    if (in.arithmetic != Arithmetic::kNone) {
+      const IValue a = value_of(in.args[0], slots);
+      const IValue b = in.args.size() > 1 ? value_of(in.args[1], slots) : IValue();
+      slots[in.outs[0]] = compute(in.arithmetic, a, b);
+      for (const int64_t slot : in.frees) {
+        slots[slot] = IValue();
+      }
+      return;
+    }
+    ViewInts ints;
+    const bool memoisable = in.view && fast_views && view_ints(in, slots, ints);
+    if (memoisable && memoised_view(in, slots, ints)) {
       for (const int64_t slot : in.frees) {
         slots[slot] = IValue();
       }
@@ -584,7 +843,7 @@ class Program {
       std::optional<Tensor> view_base;
       std::vector<int64_t> base_sizes, base_strides;
       int64_t base_offset = 0;
-      if (in.view && fast_views && in.view->state.load(std::memory_order_acquire) == 0 &&
+      if (memoisable && in.view->entries.back().state.load(std::memory_order_acquire) == 0 &&
           slots[in.args[0].slot].isTensor() && plain_impl(slots[in.args[0].slot].toTensor())) {
         view_base = slots[in.args[0].slot].toTensor();
         base_sizes = view_base->sizes().vec();
@@ -604,7 +863,7 @@ class Program {
       }
       in.op->callBoxed(stack);
       if (view_base.has_value() && !stack.empty()) {
-        remember_view(in, *view_base, std::move(base_sizes), std::move(base_strides), base_offset, stack[0]);
+        remember_view(in, *view_base, std::move(base_sizes), std::move(base_strides), base_offset, ints, stack[0]);
         view_base.reset();
       }
       if (!in.unpack.empty()) {
