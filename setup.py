@@ -41,7 +41,16 @@ BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develo
 
 
 def say(text: str) -> None:
-    print(f"mindiesd: {text}", file=sys.stderr, flush=True)
+    """One line on stderr, and on the terminal where pip hides the build's output (without ``-v``)."""
+    line = f"mindiesd: {text}"
+    print(line, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as terminal:  # no terminal (CI, a pipe): stderr alone
+            terminal.write(line + "\n")
+    except OSError:
+        pass
 
 
 def say_why_nothing_is_built(text: str) -> None:
@@ -154,7 +163,32 @@ def kernel_build_command():
                     self.compiler.set_executable(name, [command[0], *kept])
             super().build_extensions()
 
+        def _command(self, ext) -> list[str]:
+            return [os.environ.get("CXX", "c++"), *ext.extra_compile_args, *ext.extra_link_args]
+
+        def _reuse(self, ext) -> bool:
+            """Copy the module an earlier build of these sources left in the source tree (an editable install
+            before this one) to where this build puts it; False where there is none to reuse."""
+            cpp_build = cpp_build_module()
+            inplace_file, regular_file = self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)
+            tag = ext.name.rpartition(cpp_build.PREBUILT_PREFIX)[2]
+            found = cpp_build.reusable_module(Path(inplace_file).parent, tag, self._command(ext))
+            if found is None or found.name != os.path.basename(inplace_file):
+                return False
+            target = inplace_file if self.inplace else regular_file
+            if os.path.abspath(target) != os.path.abspath(found):
+                os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+                shutil.copyfile(found, target)
+            return True
+
         def build_extension(self, ext) -> None:
+            index = self.extensions.index(ext) + 1
+            if self._reuse(ext):
+                say(f"C++ CPU kernels {ext.name} ({index} of {len(self.extensions)}): reused from the last build "
+                    "(same sources, torch and flags)")
+                return
+            say(f"compiling C++ CPU kernels {ext.name} ({index} of {len(self.extensions)}; about a minute each on "
+                "2 cores)")
             temp, self.build_temp = self.build_temp, os.path.join(self.build_temp, ext.name.rpartition(".")[2])
             start = time.perf_counter()
             try:
@@ -181,7 +215,8 @@ def kernel_build_command():
                 for ext in self.extensions
             }
             regular, inplace = self._manifest_paths()
-            cpp_build.write_manifest(Path(regular).parent, modules)
+            commands = {tag: self._command(ext) for tag, ext in zip(modules, self.extensions)}
+            cpp_build.write_manifest(Path(regular).parent, modules, commands)
             if self.inplace:
                 self.copy_file(regular, inplace, level=self.verbose)
             say(f"prebuilt C++ CPU kernels for {', '.join(modules)}; manifest {inplace if self.inplace else regular}")

@@ -306,3 +306,25 @@ def test_the_package_build_loads_the_build_module_alone():
     spec.loader.exec_module(module)
     assert module.build_name()[0] == _cpp_build.build_name()[0]
     assert module.sources_digest() == _cpp_build.sources_digest()
+
+
+def test_a_second_package_build_reuses_a_module_built_from_the_same_sources_torch_and_flags(tmp_path):
+    """setup.py's reuse (a second editable install of one tree compiles nothing): a module is reused only where the
+    manifest beside it names these sources, this torch and Python, and the same compiler command for its tag."""
+    command = ["c++", "-O3", "-mavx2"]
+    folder = tmp_path / "prebuilt"
+    folder.mkdir()
+    (folder / "_cpu_kernels_avx2.so").write_bytes(b"module")
+    _cpp_build.write_manifest(folder, {"avx2": "_cpu_kernels_avx2.so"}, {"avx2": command})
+    assert _cpp_build.reusable_module(folder, "avx2", command) == folder / "_cpu_kernels_avx2.so"
+    assert _cpp_build.reusable_module(folder, "avx2", [*command, "-mfma"]) is None  # other flags
+    assert _cpp_build.reusable_module(folder, "avx512", command) is None  # not built for that tag
+    manifest = json.loads((folder / _cpp_build.MANIFEST).read_text())
+    for key, other in (("sources", "0" * 64), ("torch", "2.0.0"), ("python", "cpython-30")):
+        (folder / _cpp_build.MANIFEST).write_text(json.dumps({**manifest, key: other}))
+        assert _cpp_build.reusable_module(folder, "avx2", command) is None, key
+    (folder / _cpp_build.MANIFEST).write_text(json.dumps(manifest))
+    (folder / "_cpu_kernels_avx2.so").unlink()
+    assert _cpp_build.reusable_module(folder, "avx2", command) is None  # the module itself is gone
+    (folder / _cpp_build.MANIFEST).write_text("{not json")
+    assert _cpp_build.reusable_module(folder, "avx2", command) is None

@@ -243,12 +243,29 @@ def build_facts() -> dict[str, str]:
     }
 
 
-def write_manifest(directory: Path, modules: dict[str, str]) -> Path:
-    """Write :data:`MANIFEST` into ``directory``: the prebuilt modules there (tag -> file name) and
-    :func:`build_facts` of the build.  Called by the package build once the modules are compiled."""
+def write_manifest(directory: Path, modules: dict[str, str], commands: dict[str, list[str]] | None = None) -> Path:
+    """Write :data:`MANIFEST` into ``directory``: the prebuilt modules there (tag -> file name),
+    :func:`build_facts` of the build and the compiler and flags of each module (``commands``, tag -> list; what
+    a later package build compares before it reuses a module).  Called by the package build."""
     path = Path(directory) / MANIFEST
-    path.write_text(json.dumps({**build_facts(), "modules": modules}, indent=2, sort_keys=True) + "\n")
+    content = {**build_facts(), "modules": modules, "commands": dict(commands or {})}
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def reusable_module(directory: Path, tag: str, command: list[str]) -> Path | None:
+    """The module for ``tag`` that an earlier package build left in ``directory`` (an editable install's source
+    tree), where its manifest says it was built from these sources, against this torch and Python, with this
+    compiler ``command``; else None."""
+    try:
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+        name = manifest["modules"][tag]
+        same = all(manifest.get(key) == value for key, value in build_facts().items())
+        same = same and manifest.get("commands", {}).get(tag) == list(command)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    path = Path(directory) / str(name)
+    return path if same and path.is_file() else None
 
 
 def prebuilt_module_name(tag: str) -> str:
