@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -10,12 +11,48 @@ from typing import Any, Sequence
 
 
 class _RootParser(argparse.ArgumentParser):
-    """The root parser; names the bench mode where the command line uses an earlier form (``bench --model``)."""
+    """The root parser; names the bench mode where the command line uses an earlier form (``bench --model``), and
+    answers a mistyped option with the options it may have meant."""
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         from .benchmarks.cli import with_mode
 
         return super().parse_known_args(with_mode(sys.argv[1:] if args is None else args), namespace)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = _chosen(self, parsed)
+            command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, unknown)}")
+        return parsed
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub-)command's parser that ``args`` was parsed by: the deepest sub-command chosen."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return _chosen(chosen, args)
+    return parser
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """``"; did you mean --model?"`` for the options of ``parser`` close to the unknown options, else ``""``."""
+    options = {option[2:]: option for action in parser._actions for option in action.option_strings
+               if option.startswith("--")}
+    hints = {}
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        if name.startswith("-"):
+            matches = difflib.get_close_matches(name.lstrip("-"), options, n=1, cutoff=0.7)
+            if matches:
+                hints[name] = options[matches[0]]
+    if not hints:
+        return ""
+    if len(hints) == 1:
+        return f"; did you mean {next(iter(hints.values()))}?"
+    return "; did you mean " + ", ".join(f"{match} for {name}" for name, match in hints.items()) + "?"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cache_command(args: argparse.Namespace) -> int:
     from .compilation import cache, config
+    from .compilation.report import plural
 
     chosen = args.cache_dir if args.cache_dir is not None else config.CompilationConfig.cache_dir
     folder, entries, size = cache.describe(chosen)
@@ -69,11 +107,11 @@ def _cache_command(args: argparse.Namespace) -> int:
         print(f"the compile cache is off ({config.ENV_VAR}={os.environ.get(config.ENV_VAR, '')!r})")
         return 0
     if args.action == "clear":
-        print(f"removed {cache.clear_cache(chosen)} entries from {folder}")
+        print(f"removed {plural(cache.clear_cache(chosen), 'entry', 'entries')} from {folder}")
     else:
         artifacts = len(cache.artifact_files(chosen))
-        print(f"{folder}: {entries} {'entry' if entries == 1 else 'entries'} ({entries - artifacts} graphs, "
-              f"{artifacts} ahead-of-time artifacts), {size / 2**20:.1f} MiB of {_limit_text()}")
+        print(f"{folder}: {plural(entries, 'entry', 'entries')} ({plural(entries - artifacts, 'graph')}, "
+              f"{plural(artifacts, 'ahead-of-time artifact')}), {size / 2**20:.1f} MiB of {_limit_text()}")
         refused = _untrusted(folder)
         if refused:
             print(f"not trusted, so neither read nor written: {refused}")

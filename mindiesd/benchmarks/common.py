@@ -7,11 +7,13 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import re
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence, TextIO
+from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
 
 import torch
 
@@ -19,6 +21,7 @@ from .. import zoo
 from ..compilation.families import FAMILIES as _FAMILIES
 from ..compilation.families import forced
 from .environment import environment, footer  # noqa: F401  (the modes take the environment from here)
+from .timing import unreliable
 
 FAMILIES = tuple(_FAMILIES)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,6 +33,15 @@ DEFAULT_WARMUP = {"tiny": 3, "mid": 1, "deep": 1, "host": 10, "host-deep": 3, "w
 def complain(stderr: TextIO, message: str) -> None:
     """Write ``message`` on ``stderr`` as the bench's error or note line."""
     stderr.write(f"mindiesd bench: {message}\n")
+
+
+def warn_if_busy(stderr: TextIO, spreads: Iterable[float], where: str = "") -> None:
+    """One line on ``stderr`` where the timings just taken (of ``where``, with the relative ``spreads`` of their
+    runners) may be unreliable: the machine's load average above its cores, or a spread above the limit
+    (:func:`timing.unreliable`)."""
+    reason = unreliable(max(spreads, default=0.0))
+    if reason:
+        complain(stderr, f"{where + ': ' if where else ''}{reason}; the timings and their ratios may be unreliable")
 
 
 class Progress:
@@ -93,6 +105,53 @@ class QuietProgress(Progress):
     def note(self, message: str) -> None:
         pass
 
+
+
+#: A line of the profiler's C++ layer (Kineto) on the process's stdout or stderr, such as
+#: ``USDT:2026-12-05 18:09:58 3367:3367 SyncActivityProfilerHandler.cpp:52] profiler_start``.
+PROFILER_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def without_profiler_lines() -> Iterator[None]:
+    """Keep the profiler's own log lines out of the bench's output: they are written by C++ straight to file
+    descriptors 1 and 2, so while the block runs both point at temporary files; afterwards every other line
+    written there is passed on to where they pointed before."""
+    redirected = []
+    _flush_standard_streams()
+    for fd in (1, 2):
+        try:
+            saved = os.dup(fd)
+        except OSError:  # closed: nothing to keep out
+            continue
+        sink = tempfile.TemporaryFile()
+        os.dup2(sink.fileno(), fd)
+        redirected.append((fd, saved, sink))
+    try:
+        yield
+    finally:
+        _flush_standard_streams()
+        for fd, saved, sink in redirected:
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            kept = b"".join(line for line in sink if not PROFILER_LINE.match(line))
+            sink.close()
+            while kept:
+                kept = kept[os.write(fd, kept):]
+
+
+def _flush_standard_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
+
+
+def profile_cpu(fn: Callable[[], Any]) -> torch.profiler.profile:
+    """The CPU profile of one call of ``fn``, without the profiler's log lines in the output."""
+    with without_profiler_lines(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return prof
 
 
 def _first_tensor(output: Any) -> torch.Tensor:

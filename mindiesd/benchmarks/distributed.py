@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import zoo
+from ..compilation.report import plural
 from .common import (
     DEFAULT_ITERS, DEFAULT_WARMUP, DTYPES, FAMILIES, Progress, QuietProgress, add_model_option, add_run_options,
     add_timing_options, bounded, complain, environment, footer, make_backend, max_relative_error, positive_float,
@@ -388,7 +389,7 @@ def _bench_model(name: str, spec: Dict[str, Any], device: torch.device, progress
             row.update(graphs=report.graphs, fallbacks=len(report.fallbacks),
                        collectives=collectives_in(backend.graphs))
             step = "timing"
-            with progress.step(f"{tag}: timing {spec['iters']} interleaved iters of eager, mindiesd"):
+            with progress.step(f"{tag}: timing {plural(spec['iters'], 'interleaved iter')} of eager, mindiesd"):
                 samples = _timed_samples({"eager": lambda: model(**inputs), "mindiesd": lambda: compiled(**inputs)},
                                          spec["iters"], spec["warmup"], device)
     except Exception as exc:
@@ -452,8 +453,9 @@ def _legend(rows: Sequence[Dict[str, Any]], world_size: int, backend: str, env: 
     threads = sorted({row["threads"] for row in rows if "threads" in row})
     iters = sorted({len(row["samples"]["eager"]) for row in rows if "samples" in row})
     return "\n".join([
-        f"torch {env['torch']}, diffusers {env['diffusers']}; {world_size} ranks ({backend}), "
-        f"{'/'.join(map(str, threads))} threads each; medians of {'/'.join(map(str, iters))} interleaved iters, "
+        f"torch {env['torch']}, diffusers {env['diffusers']}; {plural(world_size, 'rank')} ({backend}), "
+        f"{plural('/'.join(map(str, threads)), 'thread')} each; medians of "
+        f"{plural('/'.join(map(str, iters)), 'interleaved iter')}, "
         "each started at a barrier",
         footer(env),
         "rank N: that rank's forward (its waits in collectives included); all: per iteration the slowest rank, then "
@@ -549,7 +551,7 @@ def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optio
     threads = args.threads
     if threads is None and device_type == "cpu":
         threads = max(1, (os.cpu_count() or 1) // args.world_size)
-    with progress.step(f"starting {args.world_size} processes ({backend})"):
+    with progress.step(f"starting {plural(args.world_size, 'process', 'processes')} ({backend})"):
         world = World(args.world_size, device_type, threads=threads, timeout=args.dist_timeout)
         world.start()
     try:
@@ -567,8 +569,8 @@ def _run_launched(launched: Tuple[int, int, int, int], spec: Dict[str, Any], arg
     """This process is one rank of a launcher's group (torchrun): join it, bench, and print on rank 0."""
     rank, world_size, local_rank, local_world_size = launched
     if world_size != args.world_size:
-        complain(stderr, f"--world-size {args.world_size}, but the launcher started {world_size} processes "
-                         "(WORLD_SIZE)")
+        started = plural(world_size, "process", "processes")
+        complain(stderr, f"--world-size {args.world_size}, but the launcher started {started} (WORLD_SIZE)")
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)

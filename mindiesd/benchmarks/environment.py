@@ -23,6 +23,7 @@ from .. import __version__ as MINDIESD_VERSION
 from ..compilation import cache as _cache
 from ..compilation import config as _config
 from ..compilation.device_graph import adapter_for
+from ..compilation.report import plural
 from ..ops import registry
 from ..ops.kernels import cpp as _cpp_kernels
 
@@ -85,7 +86,8 @@ def devices() -> List[str]:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # noqa: BLE001  (older torch or exotic platforms)
         capability = "unknown"
-    found = [f"cpu: {platform.machine() or 'unknown'}, {os.cpu_count()} logical cores, ATen capability {capability}"]
+    cores = plural(os.cpu_count() or 0, "logical core")
+    found = [f"cpu: {platform.machine() or 'unknown'}, {cores}, ATen capability {capability}"]
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
@@ -200,7 +202,7 @@ def format_report(info: Dict[str, Any]) -> str:
         rows.append(("compile cache", f"off ({_config.ENV_VAR}={setting!r})" if setting is not None else "off"))
     else:
         entries = cache["entries"]
-        rows.append(("compile cache", f"{cache['folder']}: {entries} {'entry' if entries == 1 else 'entries'}, "
+        rows.append(("compile cache", f"{cache['folder']}: {plural(entries, 'entry', 'entries')}, "
                                       f"{cache['bytes'] / 2**20:.1f} MiB"))
     rows.append(("cpu kernel cache", info["cpu_kernel_cache"]))
     width = max(len(key) for key, _ in rows)

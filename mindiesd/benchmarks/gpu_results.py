@@ -79,6 +79,8 @@ def record(ops_payload: Optional[Dict[str, Any]], model_payloads: Sequence[Dict[
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ..compilation.report import plural
+
     parser = argparse.ArgumentParser(prog="python -m mindiesd.benchmarks.gpu_results", description=__doc__.split("\n")[0])
     parser.add_argument("--ops", metavar="JSON", default=None, help="the op bench's --json file")
     parser.add_argument("--models", metavar="JSON", nargs="*", default=(), help="the model bench's --json files")
@@ -91,7 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = [_load(p) for p in args.models if p not in missing]
     result = record(ops, models)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"gpu_results: {len(result['ops'])} op rows, {len(result['models'])} model rows -> {args.out}")
+    print(f"gpu_results: {plural(len(result['ops']), 'op row')}, {plural(len(result['models']), 'model row')} "
+          f"-> {args.out}")
     return 0
 
 

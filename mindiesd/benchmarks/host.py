@@ -10,7 +10,7 @@ what the host spends on it (Python, dispatch, launches). For each model the benc
   are not counted. Inductor's own kernels are not aten ops, so its column counts only its library calls;
 * ``*_ms``: milliseconds per forward of eager, mindiesd and, with ``--vs``, Inductor (``inductor``: its default
   mode; ``inductor-ro``: ``mode="reduce-overhead"``), interleaved in one process, medians; on one thread unless
-  ``--threads`` says otherwise;
+  ``--threads`` says otherwise; ``spread``: the interquartile range of the timed forwards over their median;
 * ``host_vs_inductor``: mindiesd's time over Inductor's default (below 1: mindiesd costs the host less).
 """
 
@@ -23,9 +23,10 @@ from typing import Any, Callable, Sequence, TextIO
 import torch
 
 from .. import zoo
+from ..compilation.report import plural
 from .common import (
     DEFAULT_ITERS, DEFAULT_WARMUP, DTYPES, MODEL_CHOICES, complain, environment, footer, make_backend,
-    max_relative_error, positive_int, non_negative_int, session, write_json,
+    max_relative_error, positive_int, profile_cpu, non_negative_int, session, warn_if_busy, write_json,
 )
 from .table import format_rows
 from .timing import interleaved_medians
@@ -50,9 +51,12 @@ FREE_OPS = frozenset({
 })
 
 BACKENDS = ("eager", "mindiesd", "inductor", "inductor-ro")
-COLUMNS = ("model", "size", "backend", "gemm_ops", "other_ops", "host_ms", "vs_eager", "max_rel_err")
+#: How the compiled backends see sizes (``--shapes``).
+SHAPES = ("static", "dynamic", "auto")
+COLUMNS = ("model", "size", "backend", "shapes", "gemm_ops", "other_ops", "host_ms", "spread", "vs_eager",
+           "max_rel_err")
 #: Columns of ratios, printed with an x.
-RATIOS = ("vs_eager", "host_vs_inductor", "host_vs_inductor_ro")
+RATIOS = ("vs_eager", "host_vs_inductor", "host_vs_inductor_ro", "vs_static")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured at tiny)")
     parser.add_argument("--vs", choices=("inductor", "inductor-ro"), nargs="*", default=(),
                         help="also Inductor's default mode and/or mode='reduce-overhead', in the same run")
+    parser.add_argument("--shapes", choices=SHAPES, nargs="+", default=("static",),
+                        help="how the compiled backends see sizes: 'static' (one size), 'dynamic' "
+                             "(torch.compile(dynamic=True)), 'auto' (Dynamo's automatic dynamic after a second size "
+                             "was seen; timed at the first); several are timed interleaved (default: static)")
     parser.add_argument("--iters", type=positive_int, default=None, help="timed forwards per backend")
     parser.add_argument("--warmup", type=non_negative_int, default=None, help="untimed forwards per backend first")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default: 1)")
@@ -75,11 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def count_ops(fn: Callable[[], Any]) -> tuple[int, int]:
     """(GEMM and attention ops, other ops) one call of ``fn`` executes: the profiler's top-level aten and mindiesd
-    ops, views and allocations not counted."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
+    ops, views and allocations not counted (the profiler's own log lines kept out of the output)."""
     gemm = other = 0
-    for event in prof.events():
+    for event in profile_cpu(fn).events():
         if not _is_op(event.name) or event.name in FREE_OPS:
             continue
         parent = event.cpu_parent
@@ -104,42 +110,70 @@ def _sizes(name: str, requested: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(size if size in available else "tiny" for size in sizes))
 
 
-def _backends(model: torch.nn.Module, vs: Sequence[str]) -> dict[str, Callable[..., Any]]:
-    compiled = {"eager": model, "mindiesd": torch.compile(model, backend=make_backend(None))}
-    if "inductor" in vs:
-        compiled["inductor"] = torch.compile(model)
-    if "inductor-ro" in vs:
-        compiled["inductor-ro"] = torch.compile(model, mode="reduce-overhead")
+def _key(backend: str, shapes: str) -> str:
+    return backend if shapes == "static" else f"{backend} {shapes}"
+
+
+def _backends(model: torch.nn.Module, vs: Sequence[str], shapes: Sequence[str]) -> dict[str, Callable[..., Any]]:
+    """Eager and, per mode of ``shapes``, mindiesd and the Inductor modes of ``vs`` (keys: ``_key``)."""
+    compiled: dict[str, Callable[..., Any]] = {"eager": model}
+    for mode in shapes:
+        dynamic = True if mode == "dynamic" else None
+        compiled[_key("mindiesd", mode)] = torch.compile(model, backend=make_backend(None), dynamic=dynamic)
+        if "inductor" in vs:
+            compiled[_key("inductor", mode)] = torch.compile(model, dynamic=dynamic)
+        if "inductor-ro" in vs:
+            compiled[_key("inductor-ro", mode)] = torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
     return compiled
 
 
-def measure(case: zoo.Case, vs: Sequence[str], iters: int, warmup: int, progress: Any) -> list[dict[str, Any]]:
-    """One row per backend of ``case``: ops per forward, ms per forward, error against eager."""
+def _second_inputs(case: zoo.Case, seed: int) -> dict[str, Any]:
+    """The inputs of ``case``'s model at another resolution (what makes Dynamo's automatic dynamic recompile)."""
+    other = zoo.build(case.name, case.size, dtype=next(p.dtype for p in case.model.parameters()), seed=seed,
+                      shapes=zoo.other_resolution(case.name, case.size))
+    return other.inputs
+
+
+def measure(case: zoo.Case, vs: Sequence[str], iters: int, warmup: int, progress: Any,
+            shapes: Sequence[str] = ("static",), seed: int = 0) -> list[dict[str, Any]]:
+    """One row per backend (and mode of ``shapes``) of ``case``: ops per forward, ms per forward at the case's size,
+    error against eager. ``auto`` backends are called at a second size before anything is measured."""
     torch._dynamo.reset()
-    backends = _backends(case.model, vs)
-    with torch.no_grad():
+    shapes = [mode for mode in SHAPES if mode in shapes]  # the static graphs first: automatic dynamic is per frame
+    backends = _backends(case.model, vs, shapes)
+    second = _second_inputs(case, seed) if "auto" in shapes else None
+    with torch.no_grad(), torch._dynamo.config.patch(cache_size_limit=max(8, 4 * len(backends))):
         expected = case.model(**case.inputs)
         outputs = {}
         for name, fn in backends.items():
             with progress.step(f"first call of {case.name}/{case.size} under {name}"):
                 outputs[name] = fn(**case.inputs)
+                if name.endswith(" auto"):
+                    fn(**second)
+                    outputs[name] = fn(**case.inputs)
         counts = {name: count_ops(lambda fn=fn: fn(**case.inputs)) for name, fn in backends.items()}
-        with progress.step(f"timing {case.name}/{case.size}: {iters} interleaved forwards per backend"):
+        with progress.step(f"timing {case.name}/{case.size}: {plural(iters, 'interleaved forward')} per backend"):
             medians = interleaved_medians({name: (lambda fn=fn: fn(**case.inputs)) for name, fn in backends.items()},
                                           iters, warmup)
     rows = []
     for name in backends:
         gemm, other = counts[name]
-        rows.append({
-            "model": case.name, "size": case.size, "backend": name, "gemm_ops": gemm,
-            "other_ops": other if not name.startswith("inductor") else None,
-            "host_ms": medians[name], "vs_eager": medians["eager"] / medians[name],
+        backend, _, mode = name.partition(" ")
+        row = {
+            "model": case.name, "size": case.size, "backend": backend,
+            "shapes": None if name == "eager" else mode or "static",
+            "gemm_ops": gemm, "other_ops": other if not name.startswith("inductor") else None,
+            "host_ms": medians[name], "spread": medians.spreads[name], "vs_eager": medians["eager"] / medians[name],
             "max_rel_err": max_relative_error(outputs[name], expected) if name != "eager" else None,
-        })
-    if "inductor" in medians:
-        rows[1]["host_vs_inductor"] = medians["mindiesd"] / medians["inductor"]
-    if "inductor-ro" in medians:
-        rows[1]["host_vs_inductor_ro"] = medians["mindiesd"] / medians["inductor-ro"]
+        }
+        if backend == "mindiesd":
+            mode = mode or "static"
+            for other_backend, column in (("inductor", "host_vs_inductor"), ("inductor-ro", "host_vs_inductor_ro")):
+                if _key(other_backend, mode) in medians:
+                    row[column] = medians[name] / medians[_key(other_backend, mode)]
+            if mode != "static" and "mindiesd" in medians:
+                row["vs_static"] = medians[name] / medians["mindiesd"]
+        rows.append(row)
     return rows
 
 
@@ -160,14 +194,20 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
                 case = zoo.build(name, size, dtype=DTYPES[args.dtype], seed=args.seed)
             iters = args.iters or DEFAULT_ITERS.get(size, DEFAULT_ITERS["tiny"])
             warmup = DEFAULT_WARMUP.get(size, 1) if args.warmup is None else args.warmup
-            rows.extend(measure(case, args.vs, iters, warmup, progress))
-    columns = COLUMNS + tuple(c for c in ("host_vs_inductor", "host_vs_inductor_ro") if any(c in r for r in rows))
+            measured = measure(case, args.vs, iters, warmup, progress, args.shapes, args.seed)
+            warn_if_busy(stderr, [row["spread"] for row in measured], f"{name}/{size}")
+            rows.extend(measured)
+    columns = COLUMNS + tuple(c for c in ("host_vs_inductor", "host_vs_inductor_ro", "vs_static")
+                              if any(c in r for r in rows))
     env = environment("cpu")
     print(format_rows(rows, columns, left=("model", "size", "backend"), cell=_cell, markdown=args.markdown),
           file=stdout)
-    print(f"\ntorch {env['torch']}, diffusers {env['diffusers']}, {env['threads']} threads; medians of interleaved "
-          "forwards; ops = top-level aten/mindiesd ops per forward (views and allocations not counted); "
-          "vs_eager = eager's ms / the backend's; host_vs_inductor = mindiesd's ms / Inductor's\n"
+    print(f"\ntorch {env['torch']}, diffusers {env['diffusers']}, {plural(env['threads'], 'thread')}; medians of "
+          "interleaved forwards; ops = top-level aten/mindiesd ops per forward (views and allocations not counted); "
+          "spread = interquartile range of the timed forwards / their median; "
+          "vs_eager = eager's ms / the backend's; host_vs_inductor = mindiesd's ms / Inductor's in the same shapes "
+          "mode; vs_static = mindiesd's ms in this mode / its static graph's; shapes auto: timed at the first size "
+          "after a second was seen\n"
           f"{footer(env)}", file=stdout)
     if args.json:
         write_json(args.json, {"rows": rows, "environment": env})
@@ -183,4 +223,6 @@ def _cell(column: str, value: Any) -> str:
         return f"{value:.3f}"
     if column == "max_rel_err":
         return f"{value:.1e}"
+    if column == "spread":
+        return f"{value:.0%}"
     return str(value)

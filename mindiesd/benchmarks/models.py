@@ -5,7 +5,8 @@ For each model the bench reports how many fused ops of each family the backend
 inserted, the numerical error against eager, the cold compile time and the
 steady-state latency of eager and compiled forwards (optionally also Inductor's).
 Eager and compiled calls are interleaved in one timing loop (``benchmarks.timing``, shared with
-``mindiesd bench ops``) and medians are reported, because CPU timings drift by tens of percent over a run.
+``mindiesd bench ops``) and medians are reported, because CPU timings drift by tens of percent over a run, with
+their spread; a run on a busy machine (load average above the cores, or a wide spread) gets a warning on stderr.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ import torch._dynamo
 
 from .. import zoo
 from ..compilation.families import GEMM_FAMILIES
+from ..compilation.report import plural
 from .common import (
     DEFAULT_ITERS, DEFAULT_WARMUP, DTYPE_NAMES, DTYPES, FAMILIES, USER_CACHE, Progress,
     add_cache_options, add_model_option, add_run_options, add_timing_options, complain, environment, footer,
-    make_backend, max_relative_error, resolve_cache_dir, select_models, session, write_json,
+    make_backend, max_relative_error, profile_cpu, resolve_cache_dir, select_models, session, warn_if_busy,
+    write_json,
 )
 from .table import format_rows
-from .timing import interleaved_medians
+from .timing import Medians, interleaved_medians
 from .timing import synchronize as _synchronize
 
 BASE_COLUMNS = (
@@ -46,6 +49,7 @@ BASE_COLUMNS = (
     "eager_ms",
     "mindiesd_ms",
     "speedup",
+    "spread",
 )
 INDUCTOR_COLUMNS = (
     "inductor_max_rel_err",
@@ -158,9 +162,7 @@ def _aot_fields(model: torch.nn.Module, backend: Any) -> dict[str, Any]:
 
 def fused_ops_run(fn: Callable[[], Any]) -> int:
     """How many fused ``mindiesd::`` ops one call of ``fn`` runs (counted by the profiler, so what really ran)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for event in prof.events() if event.name.startswith("mindiesd::"))
+    return sum(1 for event in profile_cpu(fn).events() if event.name.startswith("mindiesd::"))
 
 
 def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, backend: Any, progress: Progress,
@@ -213,7 +215,8 @@ def run_case(
 
     Returns one row: model, size, dtype, fused-op counts per family, graphs,
     max relative error vs eager, compile seconds (wall time of the first
-    compiled call), median eager and compiled ms per forward and the speedup;
+    compiled call), median eager and compiled ms per forward, the speedup and ``spread`` (the widest
+    interquartile range of a runner's timed calls over its median: above 0.2 the ratios are unsteady);
     with ``vs_inductor`` also Inductor's error, compile seconds and ms, and the
     ratios ``compile_vs_inductor`` (mindiesd compile / Inductor compile) and
     ``speed_vs_inductor`` (Inductor ms / mindiesd ms, above 1 means mindiesd is
@@ -334,6 +337,7 @@ def run_case(
     row["eager_ms"] = medians["eager"]
     row["mindiesd_ms"] = medians["mindiesd"]
     row["speedup"] = medians["eager"] / medians["mindiesd"]
+    row["spread"] = medians.spread
     if "inductor" in medians:
         row["inductor_ms"] = medians["inductor"]
         row["compile_vs_inductor"] = row["compile_s"] / row["inductor_compile_s"]
@@ -353,8 +357,8 @@ def run_case(
     return row
 
 
-def _time(runners, iters, warmup, device, progress: Progress, tag: str) -> dict[str, float]:
-    with progress.step(f"timing {tag}: {iters} interleaved iters of {', '.join(runners)}"):
+def _time(runners, iters, warmup, device, progress: Progress, tag: str) -> Medians:
+    with progress.step(f"timing {tag}: {plural(iters, 'interleaved iter')} of {', '.join(runners)}"):
         return interleaved_medians(runners, iters=iters, warmup=warmup, device=device)
 
 
@@ -483,6 +487,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     aot=args.aot,
                 )
             )
+            warn_if_busy(stderr, [rows[-1]["spread"]], f"{name}/{args.size}")
         except ImportError as exc:
             complain(stderr, str(exc))
             return 2
@@ -500,8 +505,9 @@ def _print_results(args, rows, failures, stdout) -> None:
         stdout.write(format_table(rows, markdown=args.markdown) + "\n")
         iters = sorted({row["iters"] for row in rows})
         stdout.write(
-            f"\ntorch {env['torch']}, diffusers {env['diffusers']}, {env['threads']} threads; "
-            f"medians of {'/'.join(map(str, iters))} interleaved iters; "
+            f"\ntorch {env['torch']}, diffusers {env['diffusers']}, {plural(env['threads'], 'thread')}; "
+            f"medians of {plural('/'.join(map(str, iters)), 'interleaved iter')}; "
+            "spread = the widest interquartile range of a row's timed calls over their median; "
             "compile_s = wall time of the first compiled call, backend_s = the backend's share of it; "
             "cache = persistent compile cache (stored: compiled and written; hit: loaded)\n"
             f"{footer(env)}\n"

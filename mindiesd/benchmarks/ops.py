@@ -33,7 +33,10 @@ processes used the least CPU is reported; "other load" is that use in cores
 
 Ratios: eager/kernel (speedup), kernel/inductor, kernel/clone and kernel/copy_.
 max abs diff: largest difference of the kernel's output from eager's (for bf16
-the eager sequences round after every op, the kernels once).
+the eager sequences round after every op, the kernels once). spread: the widest
+interquartile range of the row's candidates over their median; a run on a busy
+machine (load average above the cores, or a spread above 20%) gets one warning
+on stderr.
 
 On CPU, run it with glibc's malloc tuned so that large tensors are reused instead of
 returned to the OS and page-faulted in again on every op::
@@ -71,8 +74,9 @@ from typing import Any, Callable, List, Optional, TextIO
 import torch
 import torch.nn.functional as F
 
+from ..compilation.report import plural
 from . import environment
-from .common import DTYPES, positive_int, write_json
+from .common import DTYPES, positive_int, warn_if_busy, write_json
 from .timing import Medians, interleaved_medians, synchronize
 
 EPS = 1e-6
@@ -370,8 +374,9 @@ def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optio
 
     if device.type == "cpu":
         mindiesd.ops.build_cpu_kernels()
-    say(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{rounds}-{max(rounds, max_rounds)} rounds x {args.reps} interleaved reps "
+    round_range = plural(rounds, "round") if max_rounds <= rounds else f"{rounds}-{max_rounds} rounds"
+    say(f"torch {torch.__version__}, {plural(torch.get_num_threads(), 'thread')}, "
+        f"{round_range} x {plural(args.reps, 'interleaved rep')} "
         f"(median; least disturbed round), {_device_line(device)}")
     if device.type == "cpu":
         tunables = os.environ.get("GLIBC_TUNABLES")
@@ -384,7 +389,7 @@ def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optio
             say(f"GLIBC_TUNABLES not set (large outputs page-fault on every op); recommended:\n"
                 f"  GLIBC_TUNABLES={TUNABLES}")
     else:
-        say(f"{calls} consecutive calls and one device sync per timed sample")
+        say(f"{plural(calls, 'consecutive call')} and one device sync per timed sample")
     say("floor: x.clone() (fresh output, like every candidate); copy_: into a preallocated output")
     if with_inductor:
         say("inductor: torch.compile(eager function), compiled once per row before timing "
@@ -415,6 +420,7 @@ def run(args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optio
                 rows.append((case, tag, timing, difference))
                 del candidates, preallocated
     say(format_table(rows, args.markdown, with_inductor))
+    warn_if_busy(stderr, [timing.spread for _, _, timing, _ in rows])
     if args.json:
         write_json(args.json, {"device": _device_line(device), "torch": torch.__version__,
                                "rows": json_rows(rows, device)})
@@ -437,8 +443,8 @@ def json_rows(rows, device: torch.device) -> List[dict]:
     """The rows ``(case, dtype tag, Medians, max abs diff)`` as JSON objects: ``op``, ``shape``, ``dtype``,
     ``kernel`` (the implementation registered for the op on the device), ``enabled`` (its family fused there by
     default), ``eager_ms``, ``fused_ms``, ``inductor_ms``, ``copy_ms``, ``copy_gbps`` (the largest input copied:
-    read and written), ``fused_gbps`` (the op's inputs read and output written per second) and
-    ``pct_copy_bw``."""
+    read and written), ``fused_gbps`` (the op's inputs read and output written per second), ``pct_copy_bw``,
+    ``max_abs_diff`` and ``spread`` (the widest interquartile range of the candidates over their median)."""
     from mindiesd.compilation.families import FAMILIES, skip_reason
     from mindiesd.ops import registry
 
@@ -460,7 +466,7 @@ def json_rows(rows, device: torch.device) -> List[dict]:
             "enabled": name in FAMILIES and skip_reason(name, device.type) is None,
             "eager_ms": m["eager"], "fused_ms": m["mindiesd"], "inductor_ms": m.get("inductor"),
             "copy_ms": m["copy_"], "copy_gbps": copy_gbps, "fused_gbps": fused_gbps,
-            "pct_copy_bw": 100.0 * fused_gbps / copy_gbps, "max_abs_diff": difference,
+            "pct_copy_bw": 100.0 * fused_gbps / copy_gbps, "max_abs_diff": difference, "spread": m.spread,
         })
     return out
 
@@ -473,7 +479,7 @@ def format_table(rows, markdown: bool, with_inductor: bool) -> str:
     headers += ["clone ms", "copy_ ms", "eager/kernel"]
     if with_inductor:
         headers.append("kernel/inductor")
-    headers += ["kernel/clone", "kernel/copy_", "max abs diff", "other load"]
+    headers += ["kernel/clone", "kernel/copy_", "max abs diff", "spread", "other load"]
     lines = []
     for case, tag, timing, difference in rows:
         m: Medians = timing
@@ -487,7 +493,7 @@ def format_table(rows, markdown: bool, with_inductor: bool) -> str:
             cells.append(f"{kernel / m['inductor']:.2f}x")
         load = "n/a" if m.foreign_load is None else f"{m.foreign_load:.2f}"
         cells += [f"{kernel / m['clone']:.2f}x", f"{kernel / m['copy_']:.2f}x"]
-        cells += [f"{difference:.1e}", load]
+        cells += [f"{difference:.1e}", f"{m.spread:.0%}", load]
         lines.append(cells)
     if markdown:
         out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

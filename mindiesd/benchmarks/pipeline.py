@@ -32,6 +32,7 @@ import torch
 import torch._dynamo
 
 from .. import zoo
+from ..compilation.report import plural
 from .common import (
     DTYPE_NAMES, DTYPES, FAMILIES, Progress, QuietProgress, add_cache_options, add_run_options, bounded, complain,
     environment, footer, make_backend, max_relative_error, positive_float, resolve_cache_dir, session, write_json,
@@ -383,7 +384,7 @@ def _run(case: PipelineCase, steps: int, progress: Progress, label: str, backend
         synchronize(device)
         total_s = time.perf_counter() - start
     if len(ends) != steps:
-        raise RuntimeError(f"{case.name}: the pipeline ran {len(ends)} of {steps} steps")
+        raise RuntimeError(f"{case.name}: the pipeline ran {len(ends)} of {plural(steps, 'step')}")
     result = _Run(latents=seen["latents"], output=output, step_ends=ends, total_s=total_s, backend=backend,
                   graphs_per_step=counts if backend is not None else None)
     if decisions is not None:
@@ -640,8 +641,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
     steps, threads = rows[0]["steps"], env["threads"]
     lines = [
-        f"torch {env['torch']}, diffusers {env['diffusers']}, {threads} thread{'s' if threads != 1 else ''}; "
-        f"{steps} denoising steps per variant, then the VAE decode",
+        f"torch {env['torch']}, diffusers {env['diffusers']}, {plural(threads, 'thread')}; "
+        f"{plural(steps, 'denoising step')} per variant, then the VAE decode",
         footer(env),
         "total_s: the whole first call; first_s: from the call to the end of step 1 (compile included); "
         "warm_s: a second call (compiled variants; eager runs once, after an untimed step); "

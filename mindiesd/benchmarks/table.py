@@ -38,7 +38,8 @@ HEADERS = {
 
 
 def format_value(column: str, value: Any) -> str:
-    """One cell of ``column``: "-" where it does not apply, counts whole, errors in e-notation, ratios with an x."""
+    """One cell of ``column``: "-" where it does not apply, counts whole, errors in e-notation, ratios with an x,
+    spreads in percent."""
     if value is None:
         return "-"
     if isinstance(value, str):
@@ -47,6 +48,8 @@ def format_value(column: str, value: Any) -> str:
         return str(int(value))
     if column.endswith("rel_err"):
         return f"{value:.1e}"
+    if column == "spread":
+        return f"{value:.0%}"
     if column in ("speedup", "speed_vs_inductor", "capture_speedup", "regional_speedup") or column.startswith("gain_"):
         return f"{value:.2f}x"
     if column == "compile_vs_inductor":

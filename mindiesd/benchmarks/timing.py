@@ -1,10 +1,11 @@
-"""Interleaved timing: the one timing loop of the model bench (``mindiesd bench``) and the op bench
-(``mindiesd bench ops``).
+"""Interleaved timing: the one timing loop of the model bench (``mindiesd bench``), the op bench (``mindiesd bench
+ops``) and the host bench (``mindiesd bench host``).
 
 The candidates of one measurement run round-robin in one loop, so drift in clock speed or machine load hits them
-alike, and the median of each is reported. Optionally several rounds run and the one during which other processes
-used the least CPU is kept (read from /proc/stat on Linux), so a disturbed measurement is visible and, on a
-shared machine, can be retried.
+alike, and the median of each is reported with its spread (the interquartile range over the median). Optionally
+several rounds run and the one during which other processes used the least CPU is kept (read from /proc/stat on
+Linux), so a disturbed measurement is visible and, on a shared machine, can be retried. :func:`unreliable` says
+why timings just taken may not be trusted: a load average above the cores, or a wide spread.
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["Medians", "interleaved_medians", "synchronize", "foreign_cpu_seconds", "QUIET_LOAD"]
+from ..compilation.report import plural
+
+__all__ = ["Medians", "interleaved_medians", "synchronize", "foreign_cpu_seconds", "QUIET_LOAD", "SPREAD_LIMIT",
+           "relative_spread", "cores", "load_average", "unreliable"]
 
 #: Other processes' CPU use (cores) below which a timing round counts as quiet.
 QUIET_LOAD = 0.1
+
+#: Spread (interquartile range over the median) of a runner's timed calls above which they count as unsteady.
+SPREAD_LIMIT = 0.2
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -44,17 +51,63 @@ def foreign_cpu_seconds() -> Optional[float]:
     return (busy - int(own[11]) - int(own[12])) / ticks  # utime, stime of all our threads
 
 
+def relative_spread(samples: Sequence[float]) -> float:
+    """The interquartile range of ``samples`` over their median (0 for fewer than two samples)."""
+    median = statistics.median(samples) if samples else 0.0
+    if len(samples) < 2 or median <= 0:
+        return 0.0
+    low, _, high = statistics.quantiles(samples, n=4, method="inclusive")
+    return (high - low) / median
+
+
+def cores() -> int:
+    """The cores this process may run on: its affinity set where the OS has one, else the CPU count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_average() -> Optional[float]:
+    """The machine's load average over the last minute, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def unreliable(spread: float, load: Optional[float] = None, cpus: Optional[int] = None) -> Optional[str]:
+    """Why timings just taken may be unreliable, or None: the load average (``load``, default: the current one)
+    above the cores (``cpus``, default: :func:`cores`), and/or a ``spread`` above :data:`SPREAD_LIMIT`."""
+    load = load_average() if load is None else load
+    cpus = cores() if cpus is None else cpus
+    reasons = []
+    if load is not None and load > cpus:
+        reasons.append(f"load average {load:.1f} on {plural(cpus, 'core')}")
+    if spread > SPREAD_LIMIT:
+        reasons.append(f"timings spread {spread:.0%} around the median")
+    return " and ".join(reasons) or None
+
+
 class Medians(Dict[str, float]):
     """Runner name -> median milliseconds per call, of the round kept.
 
     ``foreign_load``: other processes' CPU use during that round, in cores (None where it cannot be read);
-    ``rounds``: how many rounds ran.
+    ``rounds``: how many rounds ran; ``spreads``: runner name -> the :func:`relative_spread` of its calls in that
+    round (0 where not given).
     """
 
-    def __init__(self, medians: Dict[str, float], foreign_load: Optional[float], rounds: int = 1):
+    def __init__(self, medians: Dict[str, float], foreign_load: Optional[float], rounds: int = 1,
+                 spreads: Optional[Dict[str, float]] = None):
         super().__init__(medians)
         self.foreign_load = foreign_load
         self.rounds = rounds
+        self.spreads = {name: 0.0 for name in medians} if spreads is None else dict(spreads)
+
+    @property
+    def spread(self) -> float:
+        """The widest spread of the runners (0 for none)."""
+        return max(self.spreads.values(), default=0.0)
 
     def quieter_than(self, other: "Medians") -> bool:
         """Less disturbed by other processes than ``other`` (then: the lower total)."""
@@ -85,7 +138,8 @@ def _round(runners: Dict[str, Callable[[], Any]], iters: int, device: torch.devi
     load = None
     if foreign_start is not None and foreign_end is not None:
         load = max(0.0, foreign_end - foreign_start) / max(time.perf_counter() - wall_start, 1e-9)
-    return Medians({name: statistics.median(values) for name, values in samples.items()}, load)
+    return Medians({name: statistics.median(values) for name, values in samples.items()}, load,
+                   spreads={name: relative_spread(values) for name, values in samples.items()})
 
 
 def interleaved_medians(

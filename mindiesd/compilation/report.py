@@ -1,14 +1,21 @@
-"""What the backend did: one record per compiled graph, summed into matches per family."""
+"""What the backend did: one record per compiled graph, summed into matches per family; and :func:`plural`, the
+wording of a count in the messages of mindiesd and its tools."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from .families import FAMILIES
 
-__all__ = ["GraphRecord", "CompileReport", "fusion_report", "reset_fusion_report"]
+__all__ = ["GraphRecord", "CompileReport", "fusion_report", "reset_fusion_report", "plural"]
+
+
+def plural(count: Union[int, str], word: str, many: Optional[str] = None) -> str:
+    """``count`` and ``word`` as a message says them: "1 graph", "2 graphs", "1/4 graphs" (``count`` may be
+    numbers joined by "/"; ``many``: the plural where it is not ``word + "s"``: "1 entry", "2 entries")."""
+    return f"{count} {word if str(count) == '1' else many or word + 's'}"
 
 
 @dataclass

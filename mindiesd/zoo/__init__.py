@@ -15,7 +15,7 @@ PRX, AnyFlow; tiny, batch 2).
     from mindiesd import zoo
     case = zoo.build("flux", "tiny", dtype=torch.bfloat16, device="cuda")
     case.model(**case.inputs)          # a tuple: inputs hold return_dict=False
-    case.expected()                    # {"rms_norm": 16, "rope": 12, ...}
+    case.expected()                    # {"rms_norm": 0, "rope": 0, "norm_rope": 12, "adalayernorm": 13, ...}
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ._base import GROUPS, Entry, Spec
 __all__ = [
     "Case", "Entry", "Spec", "GROUPS", "REGISTRY", "MODELS", "SIZES", "ModelUnavailableError",
     "build", "entry", "names", "available", "config_for", "expected_counts", "gaps", "repeated_blocks",
+    "other_resolution",
 ]
 
 #: name -> entry, in registration order (core first).
@@ -201,11 +202,14 @@ def build(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    shapes: Dict[str, Any] | None = None,
 ) -> Case:
     """Build registry model ``name`` at ``size`` with seeded random weights and inputs.
 
     The module is in eval mode on ``device``/``dtype``; ``inputs`` holds keyword
     tensors plus ``return_dict=False`` so ``model(**inputs)`` returns a tuple.
+    ``shapes`` replaces some of the size's input shapes (its keys: ``zoo.entry(name).sizes[size].shapes``), for
+    another resolution of the same model (:func:`other_resolution`).
     Raises :class:`ModelUnavailableError` where the installed diffusers lacks the class.
     """
     _check(name, size)
@@ -214,7 +218,11 @@ def build(
     if not hasattr(diffusers, e.cls):
         raise ModelUnavailableError(f"diffusers {diffusers.__version__} has no {e.cls} (zoo model {name!r})")
     spec = e.sizes[size]
-    spec = Spec(config=copy.deepcopy(spec.config), shapes=dict(spec.shapes))
+    unknown = sorted(set(shapes or {}) - set(spec.shapes))
+    if unknown:
+        raise ValueError(f"zoo model {name!r} at {size!r} has no input shape {', '.join(map(repr, unknown))} "
+                         f"(its shapes: {', '.join(sorted(spec.shapes))})")
+    spec = Spec(config=copy.deepcopy(spec.config), shapes={**spec.shapes, **(shapes or {})})
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -225,3 +233,15 @@ def build(
     inputs = _cast_inputs(inputs, dtype, device)
     inputs["return_dict"] = False
     return Case(name=name, size=size, model=model, inputs=inputs)
+
+
+def other_resolution(name: str, size: str = "tiny", step: int = 1) -> Dict[str, Any]:
+    """Shapes of another resolution of ``name`` at ``size`` (for :func:`build`'s ``shapes``): its first spatial
+    shape (the first that is not the batch) with ``2 * step`` more in its last dimension: Flux's 4 x 4 grid becomes
+    4 x 6, SD3's 32-pixel sample 34. ``step`` 0 gives the size's own shapes."""
+    _check(name, size)
+    shapes = REGISTRY[name].sizes[size].shapes
+    key = next(k for k in shapes if k != "batch")
+    value = shapes[key]
+    grown = (*value[:-1], value[-1] + 2 * step) if isinstance(value, tuple) else value + 2 * step
+    return {key: grown}

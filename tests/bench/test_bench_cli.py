@@ -183,6 +183,39 @@ def test_interleaved_medians_rounds_rotation_and_calls_per_sample(monkeypatch):
         timing.interleaved_medians({"a": lambda: None}, iters=0, warmup=0)
 
 
+def test_interleaved_medians_report_the_spread_of_each_runner():
+    medians = timing.interleaved_medians({"a": lambda: None, "b": lambda: time.sleep(0.001)}, iters=4, warmup=0)
+    assert set(medians.spreads) == {"a", "b"} and all(spread >= 0 for spread in medians.spreads.values())
+    assert medians.spread == max(medians.spreads.values())
+    assert timing.Medians({"a": 1.0}, None).spread == 0.0
+
+
+def test_spread_and_load_make_the_timings_unreliable():
+    assert timing.relative_spread([2.0]) == 0.0 and timing.relative_spread([3.0, 3.0, 3.0]) == 0.0
+    assert timing.relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+    assert timing.unreliable(0.1, load=1.5, cpus=2) is None
+    assert timing.unreliable(0.35, load=1.0, cpus=2) == "timings spread 35% around the median"
+    assert timing.unreliable(0.0, load=3.1, cpus=2) == "load average 3.1 on 2 cores"
+    assert timing.unreliable(0.5, load=1.2, cpus=1) == \
+        "load average 1.2 on 1 core and timings spread 50% around the median"
+
+
+def test_a_busy_run_section_gets_one_warning_line(monkeypatch):
+    monkeypatch.setattr(timing, "cores", lambda: 2)
+    monkeypatch.setattr(timing, "load_average", lambda: 0.5)
+    err = io.StringIO()
+    common.warn_if_busy(err, [0.05, 0.1], "flux/tiny")
+    assert err.getvalue() == ""
+    common.warn_if_busy(err, [0.05, 0.35], "flux/tiny")
+    monkeypatch.setattr(timing, "load_average", lambda: 3.14)
+    common.warn_if_busy(err, [])
+    assert err.getvalue().splitlines() == [
+        "mindiesd bench: flux/tiny: timings spread 35% around the median; the timings and their ratios may be "
+        "unreliable",
+        "mindiesd bench: load average 3.1 on 2 cores; the timings and their ratios may be unreliable",
+    ]
+
+
 def test_bench_uses_the_shared_timing_loop():
     assert models.interleaved_medians is timing.interleaved_medians
     assert op_bench.interleaved_medians is timing.interleaved_medians
@@ -216,7 +249,7 @@ def test_cli_bench_ops_quick_prints_its_table():
     assert op_bench.run(args, stdout=out, stderr=err) == 0, err.getvalue()
     lines = out.getvalue().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("op "))
-    assert "inductor ms" not in lines[header] and "eager/kernel" in lines[header]
+    assert "inductor ms" not in lines[header] and "eager/kernel" in lines[header] and "spread" in lines[header]
     rows = [line.split()[0] for line in lines[header + 1:]]
     assert rows == ["fast_gelu", "fast_gelu:formula", "mul_add", "mul_add:full_y"]
     args = build_parser().parse_args(["bench", "ops", "--ops", "conv"])
@@ -470,6 +503,21 @@ def test_each_mode_refuses_the_options_of_the_others(argv, unknown, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
     assert exit_info.value.code == 2 and f"unrecognized arguments: {unknown}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--modle", "flux"], "unrecognized arguments: --modle flux; did you mean --model?"),
+    (["bench", "host", "--szie=host"], "unrecognized arguments: --szie=host; did you mean --size?"),
+    (["bench", "--modle", "flux", "--wramup", "1"],
+     "unrecognized arguments: --modle flux --wramup 1; did you mean --model for --modle, --warmup for --wramup?"),
+    (["bench", "ops", "--model", "flux"], "unrecognized arguments: --model flux\n"),  # no close option: no hint
+])
+def test_a_mistyped_option_gets_the_options_it_may_mean(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err
+    assert err.startswith(f"usage: mindiesd bench {'ops' if 'ops' in argv else 'host' if 'host' in argv else 'model'}")
 
 
 def test_the_product_never_imports_the_benchmarks_and_the_modes_import_down_only():

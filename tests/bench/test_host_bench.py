@@ -3,10 +3,15 @@
 import argparse
 import io
 import json
+import os
+import subprocess
+import sys
 
 import torch
 
-from mindiesd.benchmarks import cli, host
+from mindiesd.benchmarks import cli, common, host
+
+PROFILER_START = b"USDT:2026-12-05 18:09:58 3367:3367 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
 
 
 def test_count_ops_counts_top_level_ops_views_and_allocations_apart():
@@ -19,6 +24,26 @@ def test_count_ops_counts_top_level_ops_views_and_allocations_apart():
 
     gemm, other = host.count_ops(fn)
     assert (gemm, other) == (2, 2)  # mm and linear (its addmm inside it not again); sin and add
+
+
+def test_the_profilers_lines_written_to_the_file_descriptors_are_kept_out(capfd):
+    with common.without_profiler_lines():
+        os.write(1, PROFILER_START + b"the function's own line\n")
+        os.write(2, PROFILER_START.replace(b"start", b"stop") + b"a warning of its own\n")
+    out, err = capfd.readouterr()
+    assert (out, err) == ("the function's own line\n", "a warning of its own\n")
+    os.write(1, b"after\n")
+    assert capfd.readouterr().out == "after\n"  # the descriptors point where they did before
+
+
+def test_count_ops_prints_none_of_the_profilers_lines():
+    """In a new process, where the profiler's C++ layer announces its start and stop on the process's stderr."""
+    code = ("import torch; from mindiesd.benchmarks import host; "
+            "print(host.count_ops(lambda: torch.ones(3) + 1))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "(0, 2)\n"
+    assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
 
 
 def test_flux_at_host_size_runs_fewer_ops_than_eager(tmp_path):
@@ -34,4 +59,24 @@ def test_flux_at_host_size_runs_fewer_ops_than_eager(tmp_path):
     assert fused["gemm_ops"] == eager["gemm_ops"] > 0
     assert fused["other_ops"] < eager["other_ops"] / 3
     assert fused["max_rel_err"] < 1e-5
-    assert "host_ms" in out.getvalue() and fused["host_ms"] > 0
+    assert "host_ms" in out.getvalue() and fused["host_ms"] > 0 and fused["spread"] >= 0
+    assert "spread" in out.getvalue().splitlines()[0]
+
+
+def test_shapes_modes_time_static_dynamic_and_automatic_dynamic_graphs_interleaved(tmp_path):
+    """``--shapes static dynamic auto``: one mindiesd row per mode, each equal to eager; the dynamic and auto rows
+    say their cost against the static graph's, and auto's graph is the one compiled after a second size."""
+    parser = argparse.ArgumentParser()
+    cli.add_bench_command(parser.add_subparsers(dest="command"))
+    report = tmp_path / "host.json"
+    args = parser.parse_args(["bench", "host", "--size", "host", "--shapes", "static", "dynamic", "auto",
+                              "--iters", "3", "--warmup", "1", "--quiet", "--json", str(report)])
+    out = io.StringIO()
+    assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
+    rows = {(row["backend"], row["shapes"]): row for row in json.loads(report.read_text())["rows"]}
+    assert set(rows) == {("eager", None), ("mindiesd", "static"), ("mindiesd", "dynamic"), ("mindiesd", "auto")}
+    for mode in ("static", "dynamic", "auto"):
+        assert rows["mindiesd", mode]["max_rel_err"] < 1e-5
+    for mode in ("dynamic", "auto"):
+        assert rows["mindiesd", mode]["vs_static"] > 0
+    assert "vs_static" in out.getvalue().splitlines()[0]

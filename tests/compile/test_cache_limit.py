@@ -131,7 +131,7 @@ def test_the_cache_command_shows_the_size_and_the_limit(tmp_path, monkeypatch, c
 
     GraphCache(str(tmp_path)).store(_key(1), _entry(2**18))
     assert main(["cache", "--cache-dir", str(tmp_path)]) == 0
-    assert "1 entry (1 graphs, 0 ahead-of-time artifacts), 1.0 MiB of 2048.0 MiB (cache_max_bytes)" in \
+    assert "1 entry (1 graph, 0 ahead-of-time artifacts), 1.0 MiB of 2048.0 MiB (cache_max_bytes)" in \
         capsys.readouterr().out
     monkeypatch.setattr(CompilationConfig, "cache_max_bytes", None)
     assert main(["cache", "--cache-dir", str(tmp_path)]) == 0

@@ -67,7 +67,8 @@ def _check(m, root):
     if out is None or out.dim() != 2 or not isinstance(out.shape[1], int):
         return "the linear layer's output is not 2-D with a static width"
     if isinstance(out.shape[0], int) and out.shape[0] < MIN_ROWS:
-        return f"{out.shape[0]} rows (fewer than {MIN_ROWS}): the concatenation costs less than a second GEMM call"
+        rows = "1 row" if out.shape[0] == 1 else f"{out.shape[0]} rows"
+        return f"{rows} (fewer than {MIN_ROWS}): the concatenation costs less than a second GEMM call"
     return None
 
 
