@@ -1,6 +1,7 @@
 """``mindiesd bench``: one sub-command per mode, each with only its own options.
 
-``bench model`` (the default), ``bench ops``, ``bench pipeline NAME`` and ``bench distributed``. The forms of
+``bench model`` (the default), ``bench ops``, ``bench host``, ``bench sweep``, ``bench pipeline NAME`` and
+``bench distributed``. The forms of
 earlier releases keep working: ``bench [options]`` is ``bench model [options]``, ``bench --pipeline NAME
 [options]`` is ``bench pipeline NAME [options]`` and ``bench --world-size N [options]`` is ``bench distributed
 --world-size N [options]``.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import distributed, host, models, ops, pipeline
+from . import distributed, host, models, ops, pipeline, sweep
 
 #: Sub-command -> (module with ``add_arguments`` and ``run``, one-line help, description).
 MODES = {
@@ -33,6 +34,13 @@ MODES = {
         "Count the ops one forward executes (GEMM and attention apart, views and allocations not counted) and time "
         "forwards whose tensors take no time to compute (Flux's host and host-deep sizes; other models at tiny), "
         "eager against mindiesd and optionally Inductor, interleaved in one process, on one thread by default.",
+    ),
+    "sweep": (
+        sweep,
+        "one compiled model at many resolutions in turn: first-call and steady-state cost per size, vs Inductor",
+        "Compile a registry model once per backend, call it at --sizes resolutions (then the first two again), as "
+        "a server meeting several image sizes does, and print per size and backend the first call's seconds "
+        "(compiles included), the steady-state ms and the error against eager, with each backend's total.",
     ),
     "pipeline": (
         pipeline,

@@ -80,3 +80,21 @@ def test_shapes_modes_time_static_dynamic_and_automatic_dynamic_graphs_interleav
     for mode in ("dynamic", "auto"):
         assert rows["mindiesd", mode]["vs_static"] > 0
     assert "vs_static" in out.getvalue().splitlines()[0]
+
+
+def test_sweep_serves_each_resolution_and_the_first_again_without_another_compile(tmp_path):
+    """``bench sweep``: one row per resolution in turn (the first two again at the end), each equal to eager; the
+    sizes seen before cost a forward, not a compile, on their second visit."""
+    parser = argparse.ArgumentParser()
+    cli.add_bench_command(parser.add_subparsers(dest="command"))
+    report = tmp_path / "sweep.json"
+    args = parser.parse_args(["bench", "sweep", "--size", "host", "--sizes", "3", "--iters", "2", "--quiet",
+                              "--json", str(report)])
+    out = io.StringIO()
+    assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
+    data = json.loads(report.read_text())
+    rows = data["rows"]
+    assert [row["shape"] for row in rows] == ["grid=4x4", "grid=4x6", "grid=4x8", "grid=4x4", "grid=4x6"]
+    assert all(row["max_rel_err"] < 1e-5 for row in rows)
+    assert rows[3]["first_s"] < rows[0]["first_s"] / 4  # the first size again: the graph is there
+    assert data["totals"]["mindiesd"] > 0 and "total over the sweep" in out.getvalue()

@@ -270,3 +270,31 @@ def test_regional_with_capture_captures_each_block_instance_once(name, safe_outp
     for out in outs:
         error = ((out - reference).abs().max() / reference.abs().max()).item()
         assert error <= MAX_ERROR[torch.float32], error
+
+
+def test_regional_blocks_serve_new_resolutions_from_cpp_without_a_fallback(monkeypatch):
+    """Three resolutions through compile_repeated_blocks: automatic dynamic recompiles the blocks with symbolic
+    sizes after the second, and every block graph, static or symbolic, runs in the C++ executor and equals eager."""
+    from mindiesd.compilation import CompilationConfig, MindieSDBackend, executor
+
+    built = []
+    real = executor.Executed._build
+
+    def recording(self, args=()):
+        program = real(self, args)
+        built.append(program is not False)
+        return program
+
+    monkeypatch.setattr(executor.Executed, "_build", recording)
+    torch._dynamo.reset()
+    model = zoo.build("flux", "host").model
+    model._repeated_blocks = zoo.repeated_blocks(model)
+    backend = MindieSDBackend(CompilationConfig(cache_dir=None))
+    model.compile_repeated_blocks(backend=backend)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        for step in (0, 1, 2, 0):
+            case = zoo.build("flux", "host", shapes=zoo.other_resolution("flux", "host", step))
+            torch.testing.assert_close(model(**case.inputs)[0], case.model(**case.inputs)[0], rtol=1e-5, atol=1e-5)
+    assert backend.report().fallbacks == [] and backend.report().graphs >= 4
+    assert built and all(built)
