@@ -28,7 +28,7 @@ from .common import (
     DTYPES, complain, environment, footer, make_backend, max_relative_error, non_negative_int, positive_int, session,
     warn_if_busy, write_json,
 )
-from .table import format_rows
+from .table import format_rows, format_value
 from .timing import interleaved_medians
 
 COLUMNS = ("model", "size", "shape", "backend", "first_s", "ms", "spread", "max_rel_err")
@@ -129,15 +129,6 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     return 0
 
 
+
 def _cell(column: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if column == "first_s":
-        return f"{value:.2f}"
-    if column == "ms":
-        return f"{value:.3f}"
-    if column == "max_rel_err":
-        return f"{value:.1e}"
-    if column == "spread":
-        return f"{value:.0%}"
-    return str(value)
+    return f"{value:.3f}" if column == "ms" and value is not None else format_value(column, value)

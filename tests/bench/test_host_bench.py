@@ -46,55 +46,48 @@ def test_count_ops_prints_none_of_the_profilers_lines():
     assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
 
 
-def test_flux_at_host_size_runs_fewer_ops_than_eager(tmp_path):
+def _bench(tmp_path, *argv):
+    """``bench`` run in this process with ``argv`` (its JSON report read back) -> (report, printed table)."""
     parser = argparse.ArgumentParser()
     cli.add_bench_command(parser.add_subparsers(dest="command"))
-    report = tmp_path / "host.json"
-    args = parser.parse_args(["bench", "host", "--size", "host", "--iters", "3", "--warmup", "1", "--quiet",
-                              "--json", str(report)])
+    report = tmp_path / "report.json"
+    args = parser.parse_args(["bench", *argv, "--quiet", "--json", str(report)])
     out = io.StringIO()
     assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
-    rows = {row["backend"]: row for row in json.loads(report.read_text())["rows"]}
+    return json.loads(report.read_text()), out.getvalue()
+
+
+def test_flux_at_host_size_runs_fewer_ops_than_eager(tmp_path):
+    data, out = _bench(tmp_path, "host", "--size", "host", "--iters", "3", "--warmup", "1")
+    rows = {row["backend"]: row for row in data["rows"]}
     eager, fused = rows["eager"], rows["mindiesd"]
     assert fused["gemm_ops"] == eager["gemm_ops"] > 0
     assert fused["other_ops"] < eager["other_ops"] / 3
     assert fused["max_rel_err"] < 1e-5
-    assert "host_ms" in out.getvalue() and fused["host_ms"] > 0 and fused["spread"] >= 0
-    assert "spread" in out.getvalue().splitlines()[0]
+    assert "host_ms" in out and fused["host_ms"] > 0 and fused["spread"] >= 0
+    assert "spread" in out.splitlines()[0]
 
 
 def test_shapes_modes_time_static_dynamic_and_automatic_dynamic_graphs_interleaved(tmp_path):
     """``--shapes static dynamic auto``: one mindiesd row per mode, each equal to eager; the dynamic and auto rows
-    say their cost against the static graph's, and auto's graph is the one compiled after a second size."""
-    parser = argparse.ArgumentParser()
-    cli.add_bench_command(parser.add_subparsers(dest="command"))
-    report = tmp_path / "host.json"
-    args = parser.parse_args(["bench", "host", "--size", "host", "--shapes", "static", "dynamic", "auto",
-                              "--iters", "3", "--warmup", "1", "--quiet", "--json", str(report)])
-    out = io.StringIO()
-    assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
-    rows = {(row["backend"], row["shapes"]): row for row in json.loads(report.read_text())["rows"]}
+    say their cost against the static graph's."""
+    data, out = _bench(tmp_path, "host", "--size", "host", "--shapes", "static", "dynamic", "auto", "--iters", "3",
+                       "--warmup", "1")
+    rows = {(row["backend"], row["shapes"]): row for row in data["rows"]}
     assert set(rows) == {("eager", None), ("mindiesd", "static"), ("mindiesd", "dynamic"), ("mindiesd", "auto")}
     for mode in ("static", "dynamic", "auto"):
         assert rows["mindiesd", mode]["max_rel_err"] < 1e-5
     for mode in ("dynamic", "auto"):
         assert rows["mindiesd", mode]["vs_static"] > 0
-    assert "vs_static" in out.getvalue().splitlines()[0]
+    assert "vs_static" in out.splitlines()[0]
 
 
 def test_sweep_serves_each_resolution_and_the_first_again_without_another_compile(tmp_path):
     """``bench sweep``: one row per resolution in turn (the first two again at the end), each equal to eager; the
     sizes seen before cost a forward, not a compile, on their second visit."""
-    parser = argparse.ArgumentParser()
-    cli.add_bench_command(parser.add_subparsers(dest="command"))
-    report = tmp_path / "sweep.json"
-    args = parser.parse_args(["bench", "sweep", "--size", "host", "--sizes", "3", "--iters", "2", "--quiet",
-                              "--json", str(report)])
-    out = io.StringIO()
-    assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
-    data = json.loads(report.read_text())
+    data, out = _bench(tmp_path, "sweep", "--size", "host", "--sizes", "3", "--iters", "2")
     rows = data["rows"]
     assert [row["shape"] for row in rows] == ["grid=4x4", "grid=4x6", "grid=4x8", "grid=4x4", "grid=4x6"]
     assert all(row["max_rel_err"] < 1e-5 for row in rows)
     assert rows[3]["first_s"] < rows[0]["first_s"] / 4  # the first size again: the graph is there
-    assert data["totals"]["mindiesd"] > 0 and "total over the sweep" in out.getvalue()
+    assert data["totals"]["mindiesd"] > 0 and "total over the sweep" in out
