@@ -8,7 +8,10 @@ and backend the table gives
 
 * ``first_s``: the first call at that size, compiles included (a size that needs none costs a forward);
 * ``ms``: the steady state there, the median of ``--iters`` forwards, the backends interleaved;
-* ``max_rel_err``: against eager at that size.
+* ``max_rel_err``: against eager at that size;
+* ``cache``: what mindiesd's persistent cache did for the graphs that first call compiled (``hit``, ``stored``;
+  ``-`` where it compiled none). ``--cache-dir DIR`` run twice shows a warm start: the second process loads the
+  static graph of the first size and the symbolic one of the second, and compiles nothing.
 
 The footer gives each backend's total seconds (every first call plus the timed forwards) and mindiesd's share of
 Inductor's.
@@ -31,7 +34,7 @@ from .common import (
 from .table import format_rows, format_value
 from .timing import interleaved_medians
 
-COLUMNS = ("model", "size", "shape", "backend", "first_s", "ms", "spread", "max_rel_err")
+COLUMNS = ("model", "size", "shape", "backend", "first_s", "ms", "spread", "max_rel_err", "cache")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--cache-dir", metavar="DIR", default=None,
+                        help="mindiesd's persistent compile cache (default: none, so every compile is cold); a second "
+                             "run with the same DIR in a new process loads the graphs the first stored")
 
 
 def _shape_text(shapes: dict[str, Any]) -> str:
@@ -57,27 +63,32 @@ def _shape_text(shapes: dict[str, Any]) -> str:
 
 
 def sweep(name: str, size: str, steps: list[int], backends: dict[str, Callable[..., Any]], model: torch.nn.Module,
-          dtype: torch.dtype, seed: int, iters: int, warmup: int, progress: Any) -> list[dict[str, Any]]:
-    """One row per step (a resolution) and backend."""
+          dtype: torch.dtype, seed: int, iters: int, warmup: int, progress: Any,
+          records: Callable[[], list[Any]] = list) -> list[dict[str, Any]]:
+    """One row per step (a resolution) and backend; ``records()`` gives mindiesd's compile records so far."""
     rows = []
     for step in steps:
         shapes = zoo.other_resolution(name, size, step)
         inputs = zoo.build(name, size, dtype=dtype, seed=seed, shapes=shapes).inputs
         with torch.no_grad():
             expected = model(**inputs)
-            firsts, outputs = {}, {}
+            firsts, outputs, caches = {}, {}, {}
             for backend, fn in backends.items():
                 with progress.step(f"{name}/{size} {_shape_text(shapes)}: first call under {backend}"):
+                    before = len(records())
                     start = time.perf_counter()
                     outputs[backend] = fn(**inputs)
                     firsts[backend] = time.perf_counter() - start
+                    if backend == "mindiesd":
+                        caches[backend] = " ".join(r.cache for r in records()[before:]) or "-"
             medians = interleaved_medians({b: (lambda fn=fn: fn(**inputs)) for b, fn in backends.items()}, iters,
                                           warmup)
         for backend in backends:
             rows.append({"model": name, "size": size, "shape": _shape_text(shapes), "backend": backend,
                          "first_s": firsts[backend], "ms": medians[backend], "spread": medians.spreads[backend],
                          "iters": iters + warmup,
-                         "max_rel_err": max_relative_error(outputs[backend], expected)})
+                         "max_rel_err": max_relative_error(outputs[backend], expected),
+                         "cache": caches.get(backend)})
     return rows
 
 
@@ -104,13 +115,16 @@ def run(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO |
     with progress.step(f"building {args.model}/{args.size} ({args.dtype})"):
         model = zoo.build(args.model, args.size, dtype=dtype, seed=args.seed).model
     torch._dynamo.reset()
-    backends: dict[str, Callable[..., Any]] = {"mindiesd": torch.compile(model, backend=make_backend(None))}
+    cache_dir = None if args.cache_dir is None or args.cache_dir.strip().lower() in ("off", "none", "") \
+        else args.cache_dir
+    mindiesd = make_backend(cache_dir)
+    backends: dict[str, Callable[..., Any]] = {"mindiesd": torch.compile(model, backend=mindiesd)}
     if "inductor" in args.vs:
         backends["inductor"] = torch.compile(model)
     steps = list(range(args.sizes)) + list(range(min(2, args.sizes)))
     with torch._dynamo.config.patch(cache_size_limit=max(8, 4 * len(backends))):
         rows = sweep(args.model, args.size, steps, backends, model, dtype, args.seed, args.iters, args.warmup,
-                     progress)
+                     progress, records=lambda: mindiesd.report().records)
     warn_if_busy(stderr, [row["spread"] for row in rows], f"{args.model}/{args.size} sweep")
     seconds = totals(rows)
     env = environment("cpu")

@@ -14,7 +14,10 @@ changed in place (a LoRA hot-swap, ``load_state_dict``) are seen and the folded 
 An artifact is found by a key over the versions (Python, torch, diffusers, mindiesd and its sources), the
 module's class, config, structure (submodule types, parameter shapes and dtypes, attention processors), the source
 files of those classes, and the backend's settings: a changed source or version selects another artifact, and
-the module is compiled again. A truncated, corrupt or foreign artifact is ignored with a
+the module is compiled again. With ``dynamic=True`` the input signature is the tensors' ranks, not their sizes: a
+process that starts at any size loads the symbolic graph another process stored (a model whose code specializes a
+size gets one artifact per such size, up to :data:`SLOTS` per signature, told apart by their guards). A truncated,
+corrupt or foreign artifact is ignored with a
 :class:`~mindiesd.compilation.cache.MindieSDCacheWarning` and compiled again. A forward Dynamo cannot trace as
 one graph (graph breaks), or whose graph cannot be stored, runs through ``torch.compile`` with the same backend,
 with one warning that says why. Without a cache folder (``cache_dir=None``) the artifacts live in memory only.
@@ -48,6 +51,9 @@ log = logging.getLogger("mindiesd.compilation")
 __all__ = ["aot_compile", "aot_forwards", "AotForward", "ArtifactGraph"]
 
 FOLDER, SUFFIX = graph_cache.ARTIFACT_FOLDER, graph_cache.ARTIFACT_SUFFIX
+#: Artifacts kept per module and input signature (with ``dynamic=True`` a signature is the tensors' ranks: sizes
+#: that the model's own code specializes on get artifacts of their own, told apart by their guards).
+SLOTS = 8
 
 #: functorch settings torch's aot_compile turns on around the backend for Inductor's bundled cache; the
 #: backend's own aot_module_simplified with a plain compiler needs them off.
@@ -276,10 +282,10 @@ class AotForward:
             if artifact.guard_check(self.module, *args, **kwargs):
                 return artifact.fn(self.module, *args, **kwargs)
         start = time.perf_counter()
-        key = _digest(model_key(self.module, self.backend, self.dynamic),
-                      _signature((args, kwargs), False), torch.is_grad_enabled())
-        run, self.outcomes[key], artifact = self._prepare(key, args, kwargs)
-        self.seconds[key] = time.perf_counter() - start
+        base = _digest(model_key(self.module, self.backend, self.dynamic),
+                       _signature((args, kwargs), self.dynamic), torch.is_grad_enabled())
+        run, key, outcome, artifact = self._prepare(base, args, kwargs)
+        self.outcomes[key], self.seconds[key] = outcome, time.perf_counter() - start
         if artifact is not None:
             self._artifacts[key] = artifact
         candidates.append((artifact, run))
@@ -290,30 +296,45 @@ class AotForward:
         they are the same objects in the process that loads the artifact."""
         return {f"cell{i}": cell.cell_contents for i, cell in enumerate(self.function.__closure__ or ())}
 
-    def _prepare(self, key: str, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Tuple[Callable[..., Any], str, Any]:
-        """How the artifact ``key`` runs, the outcome's word and the artifact (None: not one)."""
+    def _prepare(self, base: str, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Tuple[Callable[..., Any], str, str, Any]:
+        """How these inputs run: the callable, the artifact's key, the outcome's word and the artifact (None: not
+        one). The artifacts of one signature are ``<base>-0``, ``<base>-1``, …: the first whose guards accept the
+        inputs runs them; where none does, a new one is compiled into the first free place (the last place is
+        replaced once all :data:`SLOTS` are taken)."""
         folder = graph_cache.CacheFolder.of(self.backend.config)
-        known = self.shared.get(key)
-        if known is not None and known.guard_check(self.module, *args, **kwargs):
-            return self._bind(known), "shared", known
-        path = folder.root / FOLDER / f"{key}{SUFFIX}" if folder is not None else None
-        if path is not None:
-            loaded = self._load(folder, path, key, args, kwargs)
+        free = None
+        for slot in range(SLOTS):
+            key = f"{base}-{slot}"
+            known = self.shared.get(key)
+            if known is not None:
+                if known.guard_check(self.module, *args, **kwargs):
+                    return self._bind(known), key, "shared", known
+                continue
+            path = folder.root / FOLDER / f"{key}{SUFFIX}" if folder is not None else None
+            if path is None or not path.exists():
+                free = key if free is None else free
+                continue
+            loaded, refused = self._load(folder, path, key, args, kwargs)
             if loaded is not None:
                 self.shared[key] = loaded
-                return self._bind(loaded), "loaded", loaded
+                return self._bind(loaded), key, "loaded", loaded
+            if not refused:  # untrusted or unusable: compiled in its place
+                free = key if free is None else free
+                break
+        key = free if free is not None else f"{base}-{SLOTS - 1}"
         try:
             compiled = self._compile(args, kwargs)
         except _NotStorable as exc:
-            return self._torch_compile(f"its graph cannot be stored ({exc})")
+            return self._torch_compile(key, f"its graph cannot be stored ({exc})")
         except Exception as exc:  # graph breaks, or what Dynamo's ahead-of-time path does not support
-            return self._torch_compile(f"{type(exc).__name__}: {_first_line(exc)}")
+            return self._torch_compile(key, f"{type(exc).__name__}: {_first_line(exc)}")
         outcome = "compiled"
         self.shared[key] = compiled
-        if path is not None:
+        if folder is not None:
+            path = folder.root / FOLDER / f"{key}{SUFFIX}"
             outcome = "stored" if self._store(folder, compiled, path, key) else "compiled"
-        return self._bind(compiled), outcome, compiled
+        return self._bind(compiled), key, outcome, compiled
 
     def _bind(self, compiled: Any) -> Callable[..., Any]:
         module = self.module
@@ -358,30 +379,33 @@ class AotForward:
         return True
 
     def _load(self, folder: graph_cache.CacheFolder, path: Path, key: str, args: Tuple[Any, ...],
-              kwargs: Dict[str, Any]) -> Optional[Any]:
+              kwargs: Dict[str, Any]) -> Tuple[Optional[Any], bool]:
+        """(the artifact at ``path`` if it runs these inputs, whether it is a usable one whose guards refuse them:
+        another artifact of the signature may take them). An untrusted or unusable one is neither (a warning
+        says why): its place is where the compiled one goes (or is not written, where that place is refused)."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         try:
             framed = folder.read(path)
             if framed is None:
-                return None
+                return None, False
             data = graph_cache.unframe(framed, key)
             loaded = AOTCompiledFunction.deserialize(data, f_globals=self.function.__globals__,
                                                      external_closure_data=self._closure())
             accepted = loaded.guard_check(self.module, *args, **kwargs)
         except Exception as exc:
             _warn(f"ignoring the unusable artifact {path} ({type(exc).__name__}: {_first_line(exc)}); compiling")
-            return None
-        if not accepted:
-            _warn(f"the artifact {path} does not accept these inputs; compiling")
-            return None
+            return None, False
+        if not accepted:  # another artifact of this signature (sizes its guards tell apart), or a stale one
+            log.debug("aot: the artifact %s does not accept these inputs", path)
+            return None, True
         log.info("aot: loaded %s", path)
-        return loaded
+        return loaded, False
 
-    def _torch_compile(self, why: str) -> Tuple[Callable[..., Any], str, None]:
+    def _torch_compile(self, key: str, why: str) -> Tuple[Callable[..., Any], str, str, None]:
         _warn(f"{type(self.module).__name__} is compiled with torch.compile, without an artifact: {why}")
         compiled = torch.compile(self.function, backend=self.backend, dynamic=self.dynamic)
-        return self._bind(compiled), f"torch.compile: {why}", None
+        return self._bind(compiled), key, f"torch.compile: {why}", None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -211,6 +211,9 @@ def load_cached(context: GraphContext, graph_log: GraphLog) -> Optional[Compiled
     entry = context.cache.load(context.key) if context.cache is not None and context.key is not None else None
     if entry is None:
         return None
+    if entry.guards and (context.sizes is None or not context.sizes.replay(entry.guards)):
+        log.debug("cache entry %s: its shape guards fail for these sizes; compiling", context.key)
+        return None
     run = graph_cache.runnable(entry)
     graph_log.graph("cached", entry.main)
     return CompiledGraph(run, entry.main, run.frozen, entry.n_folded, dict(entry.matches), dict(entry.rules),
@@ -318,7 +321,11 @@ def store(context: GraphContext, compiled: CompiledGraph) -> CompiledGraph:
         return replace(compiled, cache=context.uncached)
     if compiled.not_cacheable is not None:
         return replace(compiled, cache=f"not cached: {compiled.not_cacheable}")
+    guards = context.sizes.added_guards() if context.sizes is not None else []
+    if guards is None:
+        return replace(compiled, cache="not cached: a guard on a size computed in the graph")
     entry = cached_entry(compiled)
+    entry.guards = guards
     return replace(compiled, cache="stored" if context.cache.store(context.key, entry) is not None else "store failed")
 
 

@@ -39,8 +39,12 @@ artifacts (a load sets a file's mtime: a use), under an ``flock`` of the folder'
 the folder keep it under the limit together. Temporary files of writes in progress count toward the limit; one
 older than an hour, left by a write that never finished, is removed by the next store.
 
-**Not cached** (compiled as without a cache; the graph's ``record.cache`` says why): graphs with symbolic shapes
-(their guards come from the compile), training graphs, graphs under autocast, and graphs whose calling
+**Symbolic sizes** (``dynamic=True``, automatic dynamic): the key names each size by its source and holds the
+guards Dynamo made on them; the shape guards the compile adds are stored with the entry and replayed on a load,
+where an entry whose guards the sizes at hand fail is a miss (:mod:`.sizes`).
+
+**Not cached** (compiled as without a cache; the graph's ``record.cache`` says why): training graphs, graphs under
+autocast, graphs whose compile guards a size computed inside the graph, and graphs whose calling
 convention aot changes (input mutations, outputs that alias an input or an intermediate, duplicated inputs,
 tensor subclasses, effect tokens).
 """
@@ -67,6 +71,7 @@ import torch
 from torch.fx import GraphModule
 
 from . import stored_graph
+from .sizes import SymbolicSizes
 from ..ops.trust import (  # noqa: F401  (public here as before: graph_cache.untrusted_reason)
     UntrustedPath, _check_replaceable, _fault, _make_folder, _open_file, _open_folder, _private_group,
     untrusted_reason,
@@ -108,6 +113,8 @@ class CachedGraph:
     runner_code: Optional[Tuple[str, bytes]] = None
     #: What each measured fused op site runs, with the candidates' times (``kernel_choice``), for the report.
     kernel_choices: List[str] = field(default_factory=list)
+    #: The shape guards the compile added, over source names (``sizes.SymbolicSizes``): replayed on a load.
+    guards: List[Any] = field(default_factory=list)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -118,6 +125,7 @@ class CachedGraph:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         state.setdefault("direct", {})  # stored before the runner existed: its fused ops use the dispatcher
+        state.setdefault("guards", [])
         state.setdefault("runner_code", None)
         state.setdefault("kernel_choices", [])
         state["main"] = stored_graph.graph_module(state["main"])
@@ -232,12 +240,12 @@ def _get_attr(gm: torch.nn.Module, target: str) -> Any:
     return value
 
 
-def _tensor_meta(t: torch.Tensor, weight: bool = False) -> str:
+def _tensor_meta(t: torch.Tensor, weight: bool = False, text: Callable[[Any], str] = str) -> str:
     # a weight's place in its storage does not change the graph (merged projections make weights views of one
     # buffer after the first fold): the key of a process that folded already equals that of a fresh one
-    offset = "-" if weight else t.storage_offset()
-    return (f"{tuple(t.shape)} {tuple(t.stride())} {offset} {t.dtype} {t.device.type} "
-            f"{t.requires_grad} {type(t).__name__}")
+    offset = "-" if weight else text(t.storage_offset())
+    shape, stride = ", ".join(map(text, t.shape)), ", ".join(map(text, t.stride()))
+    return f"({shape}) ({stride}) {offset} {t.dtype} {t.device.type} {t.requires_grad} {type(t).__name__}"
 
 
 def _is_symbolic(value: Any) -> bool:
@@ -250,8 +258,6 @@ def _is_symbolic(value: Any) -> bool:
 
 def uncacheable_inputs(example_inputs: Sequence[Any]) -> Optional[str]:
     """Why a graph with these inputs is not cached, or None."""
-    if any(_is_symbolic(v) for v in example_inputs):
-        return "symbolic shapes"
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if any(isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v) for v in example_inputs):
@@ -262,8 +268,10 @@ def uncacheable_inputs(example_inputs: Sequence[Any]) -> Optional[str]:
 
 
 def graph_key(gm: GraphModule, example_inputs: Sequence[Any], weights: Iterable[int], settings: Dict[str, Any],
-              device: Optional[torch.device], skipped: Dict[str, str]) -> str:
-    """The entry key of ``gm`` compiled for these inputs with these settings on this device."""
+              device: Optional[torch.device], skipped: Dict[str, str], sizes: Optional["SymbolicSizes"] = None) -> str:
+    """The entry key of ``gm`` compiled for these inputs with these settings on this device (``sizes``: their
+    symbolic sizes, named by source)."""
+    text = sizes.text if sizes is not None else str
     digest = hashlib.sha256()
     digest.update(json.dumps(_versions(), sort_keys=True).encode())
     digest.update(f"device {device_kind(device)}\n".encode())
@@ -277,9 +285,15 @@ def graph_key(gm: GraphModule, example_inputs: Sequence[Any], weights: Iterable[
         if isinstance(value, torch.Tensor):
             same = first_of.setdefault(id(value), i)
             weight = i in weight_set
-            digest.update(f"input {i} {_tensor_meta(value, weight)} weight={weight} same={same}\n".encode())
+            if sizes is not None and isinstance(sizes.traced[i], torch.Tensor):
+                value = sizes.traced[i]  # the sizes as traced: symbols where Dynamo made them symbolic
+            digest.update(f"input {i} {_tensor_meta(value, weight, text)} weight={weight} same={same}\n".encode())
+        elif _is_symbolic(value):
+            digest.update(f"input {i} {type(value).__name__} {text(value)}\n".encode())
         else:
             digest.update(f"input {i} {type(value).__name__} {value!r}\n".encode())
+    for line in sizes.key_lines() if sizes is not None else ():
+        digest.update(f"{line}\n".encode())
     return digest.hexdigest()
 
 

@@ -13,6 +13,7 @@ from . import cache as graph_cache
 from . import choice
 from .config import CompilationConfig
 from .pass_manager import skip_reason
+from .sizes import SymbolicSizes
 
 __all__ = ["GraphContext"]
 
@@ -47,6 +48,8 @@ class GraphContext:
     key: Optional[str]
     #: The record's cache state when there is no key: ``off`` or ``not cached: <why>``.
     uncached: str
+    #: The inputs' symbolic sizes (None: all static), taken before the compile adds guards on them.
+    sizes: Optional[SymbolicSizes] = None
 
     @classmethod
     def build(cls, gm: GraphModule, example_inputs: Sequence[Any], config: CompilationConfig,
@@ -66,16 +69,17 @@ class GraphContext:
         folder = config.cache_dir if cached else None
         why_not = _why_not_cached(example_inputs, training) if folder else None
         key, cache = None, None
+        sizes = SymbolicSizes.of(gm, example_inputs)
         if folder and why_not is None:
             settings = graph_cache.settings_for_key(config.to_dict())
-            key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped)
+            key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped, sizes)
             cache = graph_cache.GraphCache(graph_cache.CacheFolder.of(config))
         return cls(
             n_inputs=len(example_inputs), weights=weights, adapters=_adapter_inputs(gm), device=device,
             training=training, freezing_enabled=config.enable_freezing,
             families=tuple(f for f in enabled if f not in skipped), skipped=MappingProxyType(skipped),
             force=frozenset(force), measuring=measuring, cache=cache, key=key,
-            uncached=f"not cached: {why_not}" if why_not else "off" if not folder else "",
+            uncached=f"not cached: {why_not}" if why_not else "off" if not folder else "", sizes=sizes,
         )
 
     @property

@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch.fx import GraphModule, Node
 
+from .stored_graph import is_number
+
 log = logging.getLogger("mindiesd.compilation")
 
 __all__ = ["ENV", "Bound", "enabled", "Executed", "instructions", "runner"]
@@ -117,10 +119,6 @@ _ARITHMETIC: Dict[Any, str] = {
 }
 
 
-def _is_number(node: Node) -> bool:
-    """Whether the traced value of ``node`` is a number (a ``SymInt``, ``SymFloat``, ``SymBool`` or plain)."""
-    value = node.meta.get("val")
-    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
 def _output_views(output: Node) -> List[Node]:
@@ -184,14 +182,14 @@ class _Builder:
         if isinstance(value, Node):
             if value not in self.slot:
                 raise _Unsupported(f"{value.name} is not one value")
-            if type_text in _TENSOR_TYPES and _is_number(value):
+            if type_text in _TENSOR_TYPES and is_number(value):
                 return ("scalar", self.slot[value])  # a symbolic number where a tensor goes: wrapped per call
             return ("slot", self.slot[value])
         if isinstance(value, (list, tuple)) and any(isinstance(v, Node) for v in value):
             if type_text in _INT_LISTS:
                 items = []
                 for item in value:
-                    if isinstance(item, Node) and item in self.slot and _is_number(item):
+                    if isinstance(item, Node) and item in self.slot and is_number(item):
                         items.append((True, self.slot[item]))
                     elif type(item) is int:
                         items.append((False, item))
@@ -259,7 +257,7 @@ class _Builder:
         args = []
         for value in values:
             if isinstance(value, Node):
-                if value not in self.slot or not _is_number(value):
+                if value not in self.slot or not is_number(value):
                     raise _Unsupported(f"{node.target} of {value.name}")
                 args.append(("slot", self.slot[value]))
             elif type(value) in (bool, int, float):

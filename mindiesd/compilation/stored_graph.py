@@ -4,7 +4,8 @@
 rebuild the graph and then generates and compiles the code again: on a deep model's graphs (thousands of nodes)
 that is most of a warm start. Here a graph is stored as
 
-* its nodes: op, name, target (an operator by its qualified name), arguments with nodes as positions;
+* its nodes: op, name, target (an operator by its qualified name), arguments with nodes as positions, and which
+  nodes are numbers (sizes of a graph with symbolic shapes: :func:`is_number`; no other traced value is kept);
 * the attributes its nodes read (``get_attr`` / ``call_module`` targets);
 * its forward, generated and compiled when stored, as a marshalled code object (the key of every entry names
   the Python version, so the bytecode is only read by the interpreter that wrote it).
@@ -28,7 +29,7 @@ from torch.fx.graph import CodeGen
 from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
 
-__all__ = ["state_of", "graph_module", "placeholders", "StoredGraphModule"]
+__all__ = ["state_of", "graph_module", "placeholders", "is_number", "StoredGraphModule"]
 
 
 class _Ref(int):
@@ -60,6 +61,15 @@ def _target(state: Tuple[Any, ...]) -> Any:
     if kind == "value":
         return rest[0]
     raise ValueError(f"unknown node target kind {kind!r}")
+
+
+_NUMBER_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def is_number(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes a number (a ``SymInt``, ``SymFloat``, ``SymBool`` or plain one): from its traced
+    value, or in a loaded graph, whose nodes carry none, from what was stored."""
+    return isinstance(node.meta.get("val"), _NUMBER_TYPES) or node.meta.get("number", False)
 
 
 def _attribute(gm: torch.nn.Module, target: str) -> Any:
@@ -98,7 +108,8 @@ def state_of(gm: GraphModule) -> Dict[str, Any]:
     attributes = {node.target: _attribute(gm, node.target)
                   for node in graph.nodes if node.op in ("get_attr", "call_module")}
     state: Dict[str, Any] = {"nodes": nodes, "attributes": attributes,
-                             "placeholders": sum(1 for node in graph.nodes if node.op == "placeholder")}
+                             "placeholders": sum(1 for node in graph.nodes if node.op == "placeholder"),
+                             "numbers": [i for i, node in enumerate(graph.nodes) if is_number(node)]}
     if type(graph._codegen) is not CodeGen:
         state["codegen"] = graph._codegen
         return state
@@ -135,6 +146,8 @@ def _rebuild(state: Dict[str, Any]) -> Graph:
 
     for op, name, target, args, kwargs in state["nodes"]:
         made.append(graph.create_node(op, _target(target), resolve(args), resolve(kwargs), name=name))
+    for index in state.get("numbers", ()):
+        made[index].meta["number"] = True
     return graph
 
 

@@ -91,3 +91,16 @@ def test_sweep_serves_each_resolution_and_the_first_again_without_another_compil
     assert all(row["max_rel_err"] < 1e-5 for row in rows)
     assert rows[3]["first_s"] < rows[0]["first_s"] / 4  # the first size again: the graph is there
     assert data["totals"]["mindiesd"] > 0 and "total over the sweep" in out
+    assert [row["cache"] for row in rows] == ["off", "off", "-", "-", "-"]  # no cache folder by default
+
+
+def test_a_second_sweep_with_the_same_cache_folder_loads_the_static_and_the_symbolic_graph(tmp_path):
+    """``--cache-dir``: the first process stores the first size's static graph and the symbolic one automatic
+    dynamic makes at the second size; a second process loads both and compiles nothing."""
+    folder = str(tmp_path / "cache")
+    first, _ = _bench(tmp_path, "sweep", "--size", "host", "--sizes", "2", "--iters", "1", "--cache-dir", folder)
+    second, out = _bench(tmp_path, "sweep", "--size", "host", "--sizes", "2", "--iters", "1", "--cache-dir", folder)
+    assert [row["cache"] for row in first["rows"]] == ["stored", "stored", "-", "-"]
+    assert [row["cache"] for row in second["rows"]] == ["hit", "hit", "-", "-"]
+    assert all(row["max_rel_err"] < 1e-5 for row in second["rows"])
+    assert "cache" in out.splitlines()[0]

@@ -345,6 +345,17 @@ def test_dynamic_shapes_one_artifact_serves_several_lengths(tmp_path):
     assert any(isinstance(n.meta.get("val"), torch.SymInt) or n.type is torch.SymInt
                for n in model.forward.graphs()[0].graph.nodes if n.op == "placeholder"), "no symbolic size"
 
+    # another process that starts at a length never compiled loads the same artifact and runs it in the executor
+    torch._dynamo.reset()
+    again = aot_compile(_NormLinear().eval(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))),
+                        dynamic=True)
+    for length in (31, 8):
+        x = torch.randn(2, length, 16)
+        torch.testing.assert_close(_run_plain(again, x), _NormLinear.forward(again, x))
+    assert list(again.forward.outcomes.values()) == ["loaded"]
+    [artifact] = again.forward._artifacts.values()
+    assert artifact._artifacts.compiled_fn.run.runs_in_cpp, "the loaded symbolic graph runs in the executor"
+
 
 @pytest.mark.slow
 def test_flux_with_dynamic_shapes_runs_each_resolution_correctly(tmp_path):
@@ -356,6 +367,13 @@ def test_flux_with_dynamic_shapes_runs_each_resolution_correctly(tmp_path):
     for inputs in (case.inputs, taller, case.inputs):
         torch.testing.assert_close(_run(model, inputs), _eager(case.model, inputs), rtol=1e-5, atol=1e-5)
     assert set(model.forward.outcomes.values()) == {"stored"} and len(model.forward.outcomes) <= 2
+    # a new process loads them whatever size it starts at: the artifacts of one signature are told apart by guards
+    torch._dynamo.reset()
+    again = _flux()
+    reloaded = aot_compile(again.model, MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))), dynamic=True)
+    for inputs in (taller, case.inputs):
+        torch.testing.assert_close(_run(reloaded, inputs), _eager(again.model, inputs), rtol=1e-5, atol=1e-5)
+    assert set(reloaded.forward.outcomes.values()) == {"loaded"}
 
 
 def test_a_module_whose_forward_a_hook_replaced_is_compiled_in_place_with_one_warning(tmp_path):

@@ -247,12 +247,6 @@ def test_graphs_that_are_not_cached_say_why(tmp_path):
     _, backend = _compile_and_run(mutates, x.clone(), cache_dir=tmp_path)
     assert _states(backend) == ["not cached: input mutation"]
 
-    torch._dynamo.reset()
-    backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
-    with torch.no_grad():
-        torch.compile(lambda t: torch.nn.functional.gelu(t, approximate="tanh"), backend=backend, dynamic=True)(x)
-    assert _states(backend) == ["not cached: symbolic shapes"]
-
     lin = torch.nn.Linear(8, 8)
     torch._dynamo.reset()
     backend = MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path)))
@@ -356,3 +350,88 @@ def test_a_new_process_loads_what_the_first_stored(tmp_path, name):
     cold, warm = run(), run()
     assert cold.startswith("['stored']") and warm.startswith("['hit']"), (cold, warm)
     assert cold.split("] ", 1)[1] == warm.split("] ", 1)[1]  # the same fused counts
+
+
+# ----------------------------------------------------------------------------------------------- symbolic sizes
+
+
+class _NormLinearView(torch.nn.Module):
+    """RMSNorm, a linear layer, tanh-GELU and a view whose size is computed from the input's: a graph with
+    symbolic sizes that the executor runs with size arithmetic."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = torch.nn.RMSNorm(16, eps=1e-6), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = torch.nn.functional.gelu(self.linear(self.norm(x)), approximate="tanh")
+        return y.view(x.shape[0], x.shape[1] // 2, -1) * 2
+
+
+def _dynamic(model, lengths, cache_dir):
+    """A fresh Dynamo and backend; ``model`` compiled with ``dynamic=True`` and run at each length; returns the
+    outputs, eager's and the backend."""
+    torch._dynamo.reset()
+    backend = MindieSDBackend(CompilationConfig(cache_dir=str(cache_dir)), keep_graphs=True)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    outs, expected = [], []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", MindieSDFallbackWarning)
+        for length in lengths:
+            x = torch.randn(2, length, 16)
+            outs.append(compiled(x))
+            expected.append(model(x))
+    return outs, expected, backend
+
+
+def test_a_graph_with_symbolic_sizes_is_stored_and_loaded_for_sizes_never_compiled(tmp_path):
+    """``dynamic=True``: the symbolic graph is stored; a later process (here: after ``torch._dynamo.reset()``)
+    that starts at another size loads it, runs it in the executor and serves every size from it."""
+    torch.manual_seed(0)
+    model = _NormLinearView().eval()
+    outs, expected, cold = _dynamic(model, [8, 12], tmp_path)
+    assert _states(cold) == ["stored"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        warm_outs, warm_expected, warm = _dynamic(model, [20, 6, 8], tmp_path)
+    assert _states(warm) == ["hit"]
+    assert count_fused(warm) == count_fused(cold) and count_fused(warm)["rms_norm"] == 1
+    for out, want in zip(outs + warm_outs, expected + warm_expected):
+        assert_close(out, want)
+    [path] = graph_cache.cache_entries(str(tmp_path))
+    entry = GraphCache(str(tmp_path)).load(path.stem)
+    # aot's trace guards on the view's size arithmetic: stored over the input's source, holding at every length
+    assert entry.guards and all("L['x'].size()[1]" in str(g) for g in entry.guards), entry.guards
+    assert graph_cache.runnable(entry).runs_in_cpp, "the loaded symbolic graph runs in the executor"
+
+
+def test_shape_guards_the_compile_added_are_replayed_on_a_hit(tmp_path, monkeypatch):
+    """A compile that specializes on a size adds a guard to Dynamo's frame. A hit skips the compile, so the entry
+    replays the guard: a size the guard refuses makes Dynamo recompile, and an entry whose guard the first size
+    already fails is a miss. Without the replay, the entry would run for a size it was never valid for."""
+    from mindiesd.compilation import backend as backend_module
+
+    fuse = backend_module.fuse
+
+    def fuse_specializing(context, frozen, aten_gm, passes, graph_log):
+        sizes = [n.meta["val"] for n in aten_gm.graph.nodes
+                 if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)]
+        assert sizes and bool(sizes[-1] > 10)  # guards that the length is above 10
+        return fuse(context, frozen, aten_gm, passes, graph_log)
+
+    torch.manual_seed(0)
+    model = _NormLinearView().eval()
+    monkeypatch.setattr(backend_module, "fuse", fuse_specializing)
+    _dynamic(model, [12], tmp_path)
+    monkeypatch.setattr(backend_module, "fuse", fuse)
+    [path] = graph_cache.cache_entries(str(tmp_path))
+    stored = GraphCache(str(tmp_path)).load(path.stem).guards
+    assert {"L['x'].size()[1] > 10", "10 < L['x'].size()[1]"} & {str(g) for g in stored}, stored
+
+    outs, expected, warm = _dynamic(model, [14, 16, 8], tmp_path)
+    # 14 and 16 run the loaded graph; 8 fails the replayed guard: Dynamo compiles again (this compile adds no guard)
+    assert _states(warm) == ["hit", "stored"]
+    for out, want in zip(outs, expected):
+        assert_close(out, want)
+
+    outs, expected, cold = _dynamic(model, [4, 6], tmp_path)
+    assert _states(cold) == ["hit"], "the entry stored for 8 and below (no guard) serves 4 and 6"

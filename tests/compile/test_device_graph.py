@@ -442,3 +442,25 @@ def test_a_host_scalar_input_selects_its_own_capture(adapter):
             torch.testing.assert_close(compiled(x), norm(x), rtol=1e-5, atol=1e-5)
     runner = backend.runners[0]
     assert len(backend.runners) == 1 and runner.stats.captures == 2 and len(runner.signatures()) == 2
+
+
+def test_a_symbolic_size_graph_captures_once_per_size_within_the_lru_bound(adapter):
+    """dynamic=True: one compiled graph with symbolic sizes serves every length; the runner captures it once per
+    input signature and keeps at most ``aclgraph_max_graphs`` captures, evicting the least recently used. A size
+    seen again while still captured replays, an evicted one is captured afresh; every output is eager's."""
+    torch.manual_seed(0)
+    model = Block()
+    config = CompilationConfig(aclgraph_with_compile=True, aclgraph_max_graphs=2)
+    backend = MindieSDBackend(config, keep_graphs=True)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    lengths = (4, 6, 4, 9, 6)  # 9 evicts 6 (4 was used more recently); 6 is then captured afresh
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for length in lengths:
+            x = torch.randn(length, 16)
+            torch.testing.assert_close(call(compiled, x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(backend.report().records) == 1, "one symbolic graph for every length"
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for g in backend.graphs for n in g.graph.nodes)
+    [runner] = backend.runners
+    assert runner.stats.captures == 4 and runner.stats.replays == len(lengths)
+    assert len(runner.signatures()) == 2

@@ -97,3 +97,18 @@ def test_a_graph_with_its_own_code_generator_is_rebuilt_eagerly():
 def test_what_is_not_a_stored_graph_is_refused():
     with pytest.raises(ValueError, match="not a stored graph"):
         stored_graph.graph_module({"something": 1})
+
+
+def test_which_nodes_are_numbers_survives_the_round_trip():
+    """A loaded graph's nodes carry no traced values; which of them compute numbers (the sizes of a graph with
+    symbolic shapes, which the executor computes as numbers) is stored with the nodes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: x.view(x.shape[0] * 2, -1) * 3, tracing_mode="symbolic")(torch.randn(4, 6))
+    numbers = {n.name for n in gm.graph.nodes if stored_graph.is_number(n)}
+    assert numbers and all(n.startswith(("sym_size", "mul")) for n in numbers), numbers
+    loaded = _round_trip(gm)
+    assert all("val" not in n.meta for n in loaded.graph.nodes)
+    assert {n.name for n in loaded.graph.nodes if stored_graph.is_number(n)} == numbers
+    x = torch.randn(6, 10)
+    assert_close(loaded(x), x.view(12, -1) * 3)
