@@ -31,6 +31,7 @@ from .common import (
     make_backend, max_relative_error, profile_cpu, resolve_cache_dir, select_models, session, warn_if_busy,
     write_json,
 )
+from .quant import QUANT_CONFIGS, quantize
 from .table import format_rows
 from .timing import Medians, interleaved_medians
 from .timing import synchronize as _synchronize
@@ -39,6 +40,7 @@ BASE_COLUMNS = (
     "model",
     "size",
     "dtype",
+    "quant",
     *FAMILIES,
     "graphs",
     "fallbacks",
@@ -377,7 +379,10 @@ def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     """Rows as an aligned plain-text table, or as a Markdown table."""
-    return format_rows(rows, table_columns(rows), ("model", "size", "dtype"), markdown=markdown)
+    columns = table_columns(rows)
+    if not any(row.get("quant") for row in rows):
+        columns.remove("quant")
+    return format_rows(rows, columns, ("model", "size", "dtype", "quant"), markdown=markdown)
 
 
 # ---------------------------------------------------------------- CLI
@@ -430,6 +435,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "switch off, timed in the same runs: <rewrite>_gain = ms without it / ms with it (above 1: it gains)",
     )
     parser.add_argument(
+        "--quant",
+        choices=tuple(QUANT_CONFIGS),
+        default=None,
+        help="quantize every linear layer with torchao first (int8-weight: int8 weights; int8-dynamic: int8 weights "
+        "and per-row int8 activations; float8-weight: float8 weights), so eager and every backend run the "
+        "quantized model; needs torchao",
+    )
+    parser.add_argument(
         "--force",
         action="append",
         default=[],
@@ -470,6 +483,9 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
         try:
             with progress.step(f"building {name}/{args.size} ({args.dtype})"):
                 case = zoo.build(name, args.size, dtype=dtype, seed=args.seed, device=args.device)
+            if args.quant:
+                with progress.step(f"quantizing {name}/{args.size} ({args.quant})"):
+                    quantize(case.model, args.quant)
             rows.append(
                 run_case(
                     case,
@@ -487,6 +503,7 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     aot=args.aot,
                 )
             )
+            rows[-1]["quant"] = args.quant
             warn_if_busy(stderr, [rows[-1]["spread"]], f"{name}/{args.size}")
         except ImportError as exc:
             complain(stderr, str(exc))
