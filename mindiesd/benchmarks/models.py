@@ -212,6 +212,7 @@ def run_case(
     ablate: bool = False,
     force: Sequence[str] = (),
     aot: bool = False,
+    quant: str | None = None,
 ) -> dict[str, Any]:
     """Compile ``case`` with the MindieSD backend (and optionally Inductor) and measure it.
 
@@ -234,7 +235,8 @@ def run_case(
     ``gain_<family>`` = its ms / the ms with every rewrite on. ``force``: families every backend runs on the
     device even where mindiesd declares them not faster there. With ``aot``, the mindiesd variants are compiled
     by ``aot_compile`` on a copy (an artifact in ``cache_dir`` loaded, or compiled and stored): ``cache`` says
-    ``aot hit`` / ``aot stored`` and the fused counts are those the artifacts recorded.
+    ``aot hit`` / ``aot stored`` and the fused counts are those the artifacts recorded. ``quant`` names the
+    quantization the caller applied to the model (``bench model --quant``), for the row's ``quant`` column.
     """
     iters = DEFAULT_ITERS.get(case.size, 10) if iters is None else iters
     warmup = DEFAULT_WARMUP.get(case.size, 1) if warmup is None else warmup
@@ -256,6 +258,7 @@ def run_case(
         "model": case.name,
         "size": case.size,
         "dtype": DTYPE_NAMES.get(case.dtype, str(case.dtype).replace("torch.", "")),
+        "quant": quant,
     }
     torch._dynamo.reset()
     try:
@@ -501,9 +504,9 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
                     ablate=args.ablate,
                     force=args.force,
                     aot=args.aot,
+                    quant=args.quant,
                 )
             )
-            rows[-1]["quant"] = args.quant
             warn_if_busy(stderr, [rows[-1]["spread"]], f"{name}/{args.size}")
         except ImportError as exc:
             complain(stderr, str(exc))
