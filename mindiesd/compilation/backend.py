@@ -276,10 +276,13 @@ def freeze(context: GraphContext, aten_gm: GraphModule, aten_inputs: int, passes
         return Frozen(None, rewrites, dict.fromkeys(rewrites, why_not))
     if passes.freeze_passes:  # rewrites whose weight-only part the split folds (LoRA adapters stay unfolded)
         rewrites = passes.run_freeze(aten_gm, constant_inputs(aten_gm, context.rewritable_weights), graph_log)
+    # a freeze pass that rewrote nothing says why where it knows (linear layers over quantized weights)
+    skipped = {p.family: p.why_not for p in passes.freeze_passes
+               if getattr(p, "why_not", None) and not rewrites.get(p.family)}
     frozen = split_constants(aten_gm, context.weights)
     if frozen is not None:
         graph_log.graph("freezing", frozen.main)
-    return Frozen(frozen, rewrites, {})
+    return Frozen(frozen, rewrites, skipped)
 
 
 def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: PassManager,
@@ -351,7 +354,7 @@ def _folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]
 
     def reads(*args: Any) -> Sequence[torch.Tensor]:
         try:
-            return frozen.folded_for(args)
+            return frozen.folded_for_inputs(args)  # Dynamo's inputs: a quantized weight is one, not its parts
         except Exception:  # the graph itself raises (and falls back) on the same call
             return ()
 

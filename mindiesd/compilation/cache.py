@@ -311,6 +311,10 @@ def calling_convention_problem(aten_gm: GraphModule, n_inputs: int) -> Optional[
         return "an output aliases an input or an intermediate"
     if meta.num_intermediate_bases or getattr(meta, "tokens", None):
         return "intermediate bases or effect tokens"
+    from .fx_utils import subclass_parts
+
+    if subclass_parts(aten_gm.graph):
+        return "a tensor-subclass input (aot unwraps it on every call)"
     placeholders = sum(1 for n in aten_gm.graph.nodes if n.op == "placeholder")
     if placeholders != n_inputs:
         return "aot changed the inputs (duplicates or lifted attributes)"

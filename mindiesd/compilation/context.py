@@ -8,6 +8,7 @@ from typing import Any, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.fx import GraphModule
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import cache as graph_cache
 from . import choice
@@ -24,6 +25,9 @@ class GraphContext:
 
     #: How many inputs Dynamo passes (aot keeps them all unless it rewrites the calling convention).
     n_inputs: int
+    #: How many inputs aot's graph has when it keeps them all: a tensor-subclass input (a quantized weight) is
+    #: passed as its inner tensors.
+    n_aten_inputs: int
     #: Indices of the inputs that are parameters or buffers (Dynamo marks them as static inputs).
     weights: Tuple[int, ...]
     #: Indices of the LoRA adapter weights among them (see :func:`_adapter_inputs`).
@@ -75,7 +79,8 @@ class GraphContext:
             key = graph_cache.graph_key(gm, example_inputs, weights, settings, device, skipped, sizes)
             cache = graph_cache.GraphCache(graph_cache.CacheFolder.of(config))
         return cls(
-            n_inputs=len(example_inputs), weights=weights, adapters=_adapter_inputs(gm), device=device,
+            n_inputs=len(example_inputs), n_aten_inputs=sum(map(_plain_tensors, example_inputs)), weights=weights,
+            adapters=_adapter_inputs(gm), device=device,
             training=training, freezing_enabled=config.enable_freezing,
             families=tuple(f for f in enabled if f not in skipped), skipped=MappingProxyType(skipped),
             force=frozenset(force), measuring=measuring, cache=cache, key=key,
@@ -95,7 +100,7 @@ class GraphContext:
         """Why the aten graph (with ``aten_inputs`` inputs) is not frozen, or None when it is."""
         if not self.freezing_enabled:
             return "needs enable_freezing"
-        if self.training or aten_inputs != self.n_inputs:
+        if self.training or aten_inputs != self.n_aten_inputs:
             return "no freezing for this graph (training or input mutation)"
         return None
 
@@ -105,6 +110,14 @@ def _device_of(example_inputs: Sequence[Any]) -> Optional[torch.device]:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             return t.device
     return None
+
+
+def _plain_tensors(value: Any) -> int:
+    """How many inputs of aot's graph ``value`` becomes: the inner tensors of a tensor subclass, else one."""
+    if not is_traceable_wrapper_subclass(value):
+        return 1
+    names, _ = value.__tensor_flatten__()
+    return sum(_plain_tensors(getattr(value, name)) for name in names)
 
 
 def _is_weight(t: Any) -> bool:

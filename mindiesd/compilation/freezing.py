@@ -4,6 +4,9 @@ The aten graph is split in two: a *fold* graph that computes, from the weights a
 graph needs (a transposed or upcast weight, RoPE frequency tables built from buffers, ``arange`` tables...),
 and a *main* graph that takes those folded values as inputs in place of the weights they came from. What can be
 folded is :func:`~mindiesd.compilation.fx_utils.foldable_nodes`, the definition the freeze-stage rewrites use too.
+Quantized weights are never folded into a full-precision copy: a tensor-subclass weight (torchao's), which aot
+passes as its inner tensors, is no constant here (:func:`weight_placeholders`), and a weight packed in int8 or float8
+is folded only into values no larger than itself.
 
 Folded values are computed on the first call and cached per set of weights. The cache is keyed on the identity
 of the weight tensors and checked against their storage pointer and version counter on every call, so one
@@ -35,11 +38,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .fx_utils import foldable_nodes, is_call, placeholders, tensor_val, writes_in_place
+from .fx_utils import foldable_nodes, input_passed, is_call, placeholders, tensor_val, writes_in_place
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["split_constants", "constant_inputs", "FrozenGraph", "clear_frozen_caches", "add_release_listener", "MAX_WEIGHT_SETS"]
+__all__ = ["split_constants", "constant_inputs", "weight_placeholders", "FrozenGraph", "clear_frozen_caches",
+           "add_release_listener", "MAX_WEIGHT_SETS"]
 
 #: How many weight sets one compiled graph keeps folded values for (least recently used evicted first).
 MAX_WEIGHT_SETS = 256
@@ -76,17 +80,32 @@ def _mutated_placeholders(gm: GraphModule) -> Set[Node]:
     return mutated
 
 
-def constant_inputs(gm: GraphModule, static_indices: Sequence[int]) -> Set[Node]:
-    """The placeholders of ``gm`` that freezing treats as constants: the weights (``static_indices``) that the
-    graph does not write to."""
+def weight_placeholders(gm: GraphModule, weights: Sequence[int]) -> Set[Node]:
+    """The placeholders of ``gm`` that are the weights at ``weights`` (indices of the inputs Dynamo passes) as they
+    are.
+
+    aot passes a tensor-subclass weight (a quantized weight: torchao's ``Int8Tensor``, ``Float8Tensor``) as its
+    inner tensors, so the placeholders no longer line up with the inputs; they are matched through aot's record of
+    each placeholder's input. The inner tensors are not weights here: what is computed from them alone is the
+    dequantized weight, and folding it would keep a full-precision copy beside the quantized one."""
     inputs = placeholders(gm.graph)
-    return {inputs[i] for i in static_indices if i < len(inputs)} - _mutated_placeholders(gm)
+    wanted = set(weights)
+    if not any("desc" in p.meta for p in inputs):  # no record: one placeholder per input
+        return {inputs[i] for i in wanted if i < len(inputs)}
+    return {p for p in inputs if input_passed(p) in wanted}
 
 
-def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional["FrozenGraph"]:
-    """Split ``gm`` into fold and main graphs; None when nothing can be folded."""
+def constant_inputs(gm: GraphModule, weights: Sequence[int]) -> Set[Node]:
+    """The placeholders of ``gm`` that freezing treats as constants: the weights (``weights``, indices of the
+    inputs Dynamo passes; see :func:`weight_placeholders`) that the graph does not write to."""
+    return weight_placeholders(gm, weights) - _mutated_placeholders(gm)
+
+
+def split_constants(gm: GraphModule, weights: Sequence[int]) -> Optional["FrozenGraph"]:
+    """Split ``gm`` into fold and main graphs (``weights``: indices of the inputs Dynamo passes); None when nothing
+    can be folded."""
     inputs = placeholders(gm.graph)
-    static = constant_inputs(gm, static_indices)
+    static = constant_inputs(gm, weights)
     if not static:
         return None
 
@@ -139,7 +158,9 @@ def split_constants(gm: GraphModule, static_indices: Sequence[int]) -> Optional[
     _copy_folded_outputs(main_graph, [main_env[node] for node in frontier])
     main_graph.eliminate_dead_code()
     main_gm = GraphModule(gm, main_graph)
-    return FrozenGraph(fold_gm, main_gm, fold_inputs, main_inputs, n_folded=len(frontier))
+    recorded = any("desc" in p.meta for p in inputs)
+    sources = [input_passed(inputs[i]) if recorded else i for i in fold_inputs]
+    return FrozenGraph(fold_gm, main_gm, fold_inputs, main_inputs, n_folded=len(frontier), fold_sources=sources)
 
 
 def _copy_folded_outputs(graph: Graph, folded: Sequence[Node]) -> int:
@@ -278,9 +299,13 @@ class FrozenGraph:
     that takes the original inputs.
     """
 
-    def __init__(self, fold: GraphModule, main: GraphModule, fold_inputs: List[int], main_inputs: List[int], n_folded: int):
+    def __init__(self, fold: GraphModule, main: GraphModule, fold_inputs: List[int], main_inputs: List[int],
+                 n_folded: int, fold_sources: Optional[List[int]] = None):
         self.fold, self.main = fold, main
         self.fold_inputs, self.main_inputs, self.n_folded = fold_inputs, main_inputs, n_folded
+        #: The index of each fold input among the inputs Dynamo passes (they differ from ``fold_inputs``, indices of
+        #: aot's inputs, where an input before it is a tensor subclass that aot passes as its inner tensors).
+        self.fold_sources = list(fold_inputs if fold_sources is None else fold_sources)
         #: Folded outputs that concatenate whole weights: (output index, positions of those weights in the
         #: fold's inputs), see the module doc.
         self.concatenations = _concatenations(fold)
@@ -295,7 +320,14 @@ class FrozenGraph:
         _released(released)
 
     def folded_for(self, args: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
-        weights = [args[i] for i in self.fold_inputs]
+        """The folded values for aot's inputs ``args`` (computed once per weight set)."""
+        return self._folded([args[i] for i in self.fold_inputs])
+
+    def folded_for_inputs(self, inputs: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
+        """:meth:`folded_for` from the inputs Dynamo passes (what a device-graph capture of the call sees)."""
+        return self._folded([inputs[i] for i in self.fold_sources])
+
+    def _folded(self, weights: List[Any]) -> Tuple[torch.Tensor, ...]:
         key = tuple(map(id, weights))
         with self._lock:
             entry = self._cache.get(key)

@@ -15,9 +15,18 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..ops.dtypes import is_compute_float
+
+try:
+    from torch._functorch._aot_autograd.descriptors import PlainAOTInput as _PlainInput
+    from torch._functorch._aot_autograd.descriptors import SubclassGetAttrAOTInput as _SubclassPart
+except ImportError:  # pragma: no cover - a torch without aot's input records: one placeholder per input
+    _PlainInput = _SubclassPart = None
+
 __all__ = [
-    "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "known_eq", "same_shape", "same_layout",
-    "foldable_nodes", "fake_call", "Emitter", "erase_unused", "drop_copies", "MAX_EXPANDED_NUMEL",
+    "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "input_passed", "subclass_parts",
+    "known_eq", "same_shape", "same_layout", "foldable_nodes", "is_packed", "fake_call", "Emitter", "erase_unused",
+    "drop_copies", "MAX_EXPANDED_NUMEL",
 ]
 
 #: A folded value may be larger than the weights it is computed from only up to this many elements.
@@ -38,9 +47,10 @@ def tensor_val(value: Any) -> Optional[torch.Tensor]:
 
 
 def float_tensor(value: Any, min_rank: int = 0) -> Optional[torch.Tensor]:
-    """The example tensor of a node when it is floating point with at least ``min_rank`` dims, else None."""
+    """The example tensor of a node when it is of a float dtype the fused ops compute in (not float8) with at least
+    ``min_rank`` dims, else None."""
     v = tensor_val(value)
-    return v if v is not None and v.dtype.is_floating_point and v.dim() >= min_rank else None
+    return v if v is not None and is_compute_float(v.dtype) and v.dim() >= min_rank else None
 
 
 def is_call(node: Any, *targets: Any) -> bool:
@@ -57,6 +67,22 @@ def writes_in_place(node: Node) -> bool:
 def placeholders(graph: Graph) -> List[Node]:
     """The graph's inputs, in order."""
     return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def input_passed(placeholder: Node) -> Optional[int]:
+    """The index of the Dynamo graph input that an aot graph's ``placeholder`` passes as it is, from aot's record
+    of where each placeholder comes from (its ``desc``); None for a part of an input (an inner tensor of a tensor
+    subclass, its sizes), for what aot adds itself, and where aot recorded nothing."""
+    desc = placeholder.meta.get("desc")
+    return desc.idx if _PlainInput is not None and type(desc) is _PlainInput else None
+
+
+def subclass_parts(graph: Graph) -> Set[Node]:
+    """The placeholders of an aot graph that are inner tensors of a tensor-subclass input (aot passes a quantized
+    weight such as torchao's ``Int8Tensor`` as its data and scales)."""
+    if _SubclassPart is None:
+        return set()
+    return {p for p in placeholders(graph) if type(p.meta.get("desc")) is _SubclassPart}
 
 
 def known_eq(a: Any, b: Any) -> bool:
@@ -127,13 +153,42 @@ def _foldable(node: Node) -> bool:
     return numel <= max(input_numel, 1) or numel <= MAX_EXPANDED_NUMEL
 
 
+def _bytes(value: Any) -> Optional[int]:
+    numel = _numel(value)
+    return None if numel is None else numel * value.dtype.itemsize
+
+
+def is_packed(value: Any) -> bool:
+    """Whether ``value`` (a node's, or a tensor) is packed in one byte per element or less (int8, uint8, float8, ...):
+    as a weight, a quantized one."""
+    value = val(value)
+    return isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.dtype.itemsize == 1
+
+
+def _packed_bytes(node: Node) -> int:
+    """The bytes of ``node``'s value when it is packed (:func:`is_packed`), else 0."""
+    return (_bytes(node.meta.get("val")) or 0) if is_packed(node) else 0
+
+
 def foldable_nodes(graph: Graph, constants: Set[Node]) -> Set[Node]:
     """``constants`` and every node computed from them alone that freezing folds: the one definition of a
-    constant, shared by freezing's split and by the rewrites that run before it, so that they cannot disagree."""
+    constant, shared by freezing's split and by the rewrites that run before it, so that they cannot disagree.
+
+    A value computed from weights packed in one byte per element (int8, float8: quantized weights) that takes more
+    bytes than they do is their dequantized copy: it is not folded, so that the model never holds the weight twice,
+    and is computed per call, as eager does."""
     constant = set(constants)
+    packed: Dict[Node, int] = {node: n for node in constants if (n := _packed_bytes(node))}
     for node in graph.nodes:
-        if node.op == "call_function" and all(i in constant for i in node.all_input_nodes) and _foldable(node):
-            constant.add(node)
+        if node.op != "call_function" or not all(i in constant for i in node.all_input_nodes) or not _foldable(node):
+            continue
+        source = sum(packed.get(i, 0) for i in node.all_input_nodes)
+        if source:
+            size = _bytes(node.meta.get("val"))
+            if size is not None and size > source:
+                continue
+            packed[node] = source
+        constant.add(node)
     return constant
 
 

@@ -32,6 +32,7 @@ from typing import List, Optional
 import torch
 from torch.fx import Graph, Node
 
+from ..ops.dtypes import is_compute_float
 from .fx_utils import Emitter, is_call, tensor_val, writes_in_place
 
 __all__ = ["write_into", "cast_into", "cat_into", "EXACT", "ROUNDED"]
@@ -90,8 +91,8 @@ def cast_into(graph: Graph) -> int:
         if not isinstance(source, Node) or _out_variant(source) is None or not _sole_reader(source, cast):
             continue
         wide, narrow = tensor_val(source), tensor_val(cast)
-        if wide is None or not _static_contiguous(narrow) or not wide.dtype.is_floating_point \
-                or not narrow.dtype.is_floating_point or narrow.dtype.itemsize >= wide.dtype.itemsize \
+        if wide is None or not _static_contiguous(narrow) or not is_compute_float(wide.dtype) \
+                or not is_compute_float(narrow.dtype) or narrow.dtype.itemsize >= wide.dtype.itemsize \
                 or wide.device != narrow.device or wide.shape != narrow.shape:
             continue
         emit = Emitter(graph, source)

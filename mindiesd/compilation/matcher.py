@@ -25,6 +25,7 @@ import operator
 import torch
 from torch.fx import Node
 
+from ..ops.dtypes import is_compute_float, widens
 from .fx_utils import is_call, val
 
 aten = torch.ops.aten
@@ -213,9 +214,10 @@ class Op(Pattern):
 class Cast(Pattern):
     """Zero or more dtype-only casts around ``inner``; the casts are recorded as shared nodes.
 
-    By default only exact (widening) float casts are looked through, as on an input that is upcast before the
-    math: dropping such a cast changes no value. ``lossy=True`` also looks through narrowing casts; use it only
-    where the fused op computes at least as precisely as the cast chain (intermediate roundings).
+    Only casts between the floats the fused ops compute in are looked through (never one from a float8 or integer
+    weight: that value is no operand of a fused op). By default only exact (widening) casts, as on an input that is
+    upcast before the math: dropping such a cast changes no value. ``lossy=True`` also looks through narrowing
+    casts; use it only where the fused op computes at least as precisely as the cast chain (intermediate roundings).
     """
 
     def __init__(self, inner: Pattern, lossy: bool = False, shared: bool = True):
@@ -285,9 +287,9 @@ def _is_dtype_cast(value: Any, lossy: bool = False) -> bool:
         return False
     if src.device != dst.device or src.layout != dst.layout:
         return False
-    if not (src.dtype.is_floating_point and dst.dtype.is_floating_point):
-        return False
-    return lossy or torch.promote_types(src.dtype, dst.dtype) == dst.dtype
+    if not (is_compute_float(src.dtype) and is_compute_float(dst.dtype)):
+        return False  # a float8 (or integer) value under the cast is not one a fused op computes on
+    return lossy or widens(src, dst)
 
 
 def strip_casts(value: Any, lossy: bool = False) -> Any:

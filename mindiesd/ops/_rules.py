@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from functools import reduce
-
 import torch
 
 from ._layout import output_layout, restride
+from .dtypes import is_compute_float, promoted
 
 REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 _GELU_TANH_COEFFICIENT = math.sqrt(2.0 / math.pi)
@@ -23,8 +22,13 @@ _GELU_TANH_CUBIC = 0.044715
 
 
 def promote(*dtypes: torch.dtype) -> torch.dtype:
-    """Type-promotion result of all ``dtypes`` (torch.promote_types, folded)."""
-    return reduce(torch.promote_types, dtypes)
+    """Type-promotion result of all ``dtypes`` (torch.promote_types, folded); ValueError naming them where one
+    takes no part in type promotion (float8 and the other storage-only formats)."""
+    result = promoted(*dtypes)
+    if result is None:
+        raise ValueError(f"mindiesd: no type promotion of {', '.join(map(str, dtypes))}: the fused ops compute in "
+                         "float16, bfloat16, float32 or float64 (cast storage formats such as float8 first)")
+    return result
 
 
 def compute_dtype(promoted: torch.dtype) -> torch.dtype:
@@ -42,9 +46,10 @@ def shape_str(shape: Sequence) -> str:
 
 def require_floating(op: str, **tensors: torch.Tensor | None) -> None:
     for name, tensor in tensors.items():
-        if tensor is not None and not tensor.dtype.is_floating_point:
+        if tensor is not None and not is_compute_float(tensor.dtype):
             raise ValueError(
-                f"mindiesd.{op}: `{name}` must be a floating-point tensor, got {tensor.dtype}"
+                f"mindiesd.{op}: `{name}` must be a floating-point tensor the ops compute in (float16, bfloat16, "
+                f"float32 or float64), got {tensor.dtype}"
             )
 
 

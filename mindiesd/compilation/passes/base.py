@@ -1,10 +1,11 @@
 """What every fusion pass shares: rules of (pattern, check, builder), the rewrite loop, and the safety checks.
 
 A rule's pattern is tried only on nodes whose target its root can have (:meth:`Pattern.roots`). A match then
-goes to the rule's check, which returns None to accept it or the reason it is not fused (values the pattern
-cannot express: dtypes, dims, sizes), and only then to its builder, which emits the fused node (and any small
-helper nodes) through :class:`~mindiesd.compilation.fx_utils.Emitter`, which computes each new node's example
-value with the graph's fake mode. The rewrite is kept only when the fused node's value has exactly the shape,
+goes to the rule's check (after a shared one: no bound tensor of a storage-only dtype such as float8), which returns
+None to accept it or the reason it is not fused (values the pattern cannot express: dtypes, dims, sizes), and only
+then to its builder, which emits the fused node (and any small helper nodes) through
+:class:`~mindiesd.compilation.fx_utils.Emitter`, which computes each new node's example value with the graph's
+fake mode. The rewrite is kept only when the fused node's value has exactly the shape,
 dtype and strides of the node it replaces (:func:`~mindiesd.compilation.fx_utils.same_layout`: a later ``view``,
 or the next compiled region's stride guards, depend on the strides); otherwise the new nodes are removed and the
 graph is left as it was. What cannot be proven equal under symbolic shapes is not fused. After a rewrite the
@@ -24,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from torch.fx import GraphModule, Node
 
+from ...ops.dtypes import promoted
 from ..fx_utils import Emitter, erase_unused, same_layout, tensor_val
 from ..matcher import Match, Pattern, explain, is_self_contained, match
 
@@ -57,6 +59,16 @@ class Rule:
 
 
 def _accept(m: Match, root: Node) -> Optional[str]:
+    return None
+
+
+def _storage_only_binding(m: Match) -> Optional[str]:
+    """Why a match binds a tensor of a dtype that takes no part in arithmetic (a float8 or packed weight, read
+    only through a cast), or None: no fused op computes on one, so such a match is never fused."""
+    for name, value in m.bindings.items():
+        v = tensor_val(value)
+        if v is not None and promoted(v.dtype) is None:
+            return f"{name} is {v.dtype}, a storage format no fused op computes in"
     return None
 
 
@@ -102,7 +114,7 @@ class FusionPass:
                     if explaining:
                         self._explain(rule, node, "an intermediate value of the match is used outside it")
                     continue
-                reason = (rule.check or _accept)(m, node)
+                reason = _storage_only_binding(m) or (rule.check or _accept)(m, node)
                 if reason is not None:
                     if explaining:
                         self._explain(rule, node, reason)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.dtypes import is_compute_float
 from ..fx_utils import known_eq, same_shape, tensor_val, val
 from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
 from .base import FusionPass, Rule
@@ -65,7 +66,7 @@ def _last_dim(dim, rank):
 def _dtypes_agree(m, root, *operands):
     """None when the operands and the product share one floating dtype, else why not."""
     out = tensor_val(root)
-    if out is None or not out.dtype.is_floating_point:
+    if out is None or not is_compute_float(out.dtype):
         return "the product is not a floating-point tensor"
     for operand in operands:
         value = tensor_val(operand)

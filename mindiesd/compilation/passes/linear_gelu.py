@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...ops.dtypes import is_compute_float
 from ..fx_utils import tensor_val
 from ..matcher import Match, Pattern
 from .base import FusionPass, Rule
@@ -44,7 +45,7 @@ def _check(m: Match, root) -> Optional[str]:
         return "the matmul's operands are not 2-D tensors"
     if "perm" in m.bindings and not is_transpose(m["perm"]):
         return "the weight's permutation is not a transpose"
-    if not x.dtype.is_floating_point or w.dtype != x.dtype or (b is not None and (b.dtype != x.dtype or b.dim() != 1)):
+    if not is_compute_float(x.dtype) or w.dtype != x.dtype or (b is not None and (b.dtype != x.dtype or b.dim() != 1)):
         return "the operands are not floating-point tensors of one dtype (a 1-D bias)"
     return None
 

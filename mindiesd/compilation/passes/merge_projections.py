@@ -34,11 +34,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx_utils import (Emitter, erase_unused, fake_call, foldable_nodes, is_call, same_layout, tensor_val, val,
-                        writes_in_place)
+from ...ops.dtypes import is_compute_float
+from ..fx_utils import (Emitter, erase_unused, fake_call, foldable_nodes, is_call, is_packed, same_layout,
+                        subclass_parts, tensor_val, val, writes_in_place)
 from ..matcher import match
 from .patterns import GEMM, is_transpose
 
+log = logging.getLogger("mindiesd.compilation")
 explain_log = logging.getLogger("mindiesd.compilation.explain")
 aten = torch.ops.aten
 
@@ -67,13 +69,34 @@ def _projection(node: Node, constant: Set[Node]) -> Optional[_Projection]:
     xv, wv = tensor_val(x), tensor_val(weight)
     if xv is None or wv is None or weight not in constant or xv.dim() != 2 or wv.dim() != 2:
         return None
-    if not isinstance(wv.shape[0], int) or wv.dtype != xv.dtype or not xv.dtype.is_floating_point:
+    if not isinstance(wv.shape[0], int) or wv.dtype != xv.dtype or not is_compute_float(xv.dtype):
         return None
     if bias is not None:
         bv = tensor_val(bias)
         if bv is None or bias not in constant or bv.dim() != 1 or bv.dtype != xv.dtype or bv.shape[0] != wv.shape[0]:
             return None
     return _Projection(node, x, weight, bias, int(wv.shape[0]))
+
+
+#: The matmuls of a linear layer, with the position of the weight operand.
+_MATMUL_WEIGHT = {aten.mm.default: 1, aten.addmm.default: 2, aten._int_mm.default: 1}
+
+
+def _reads_quantized(node: Node, quantized: Set[Node]) -> bool:
+    """Whether ``node`` is a matmul whose weight operand is computed from a quantized weight (``quantized``: its
+    data and scales), through the few ops of a dequantization (transpose, cast, scale)."""
+    position = _MATMUL_WEIGHT.get(node.target) if node.op == "call_function" else None
+    if position is None or len(node.args) <= position or not isinstance(node.args[position], Node):
+        return False
+    pending, seen = [node.args[position]], set()
+    while pending and len(seen) < 16:
+        current = pending.pop()
+        if current in quantized:
+            return True
+        if current not in seen and current.op == "call_function":
+            seen.add(current)
+            pending.extend(current.all_input_nodes)
+    return False
 
 
 def _source(x: Node) -> Tuple[Any, ...]:
@@ -110,16 +133,27 @@ class MergeProjectionsPass:
 
     def __init__(self) -> None:
         self.hits: Counter = Counter()
+        #: Why the last graph had linear layers that cannot be merged, or None.
+        self.why_not: Optional[str] = None
 
     def __call__(self, gm: GraphModule, constant_inputs: Set[Node]) -> int:
         graph = gm.graph
         constant = foldable_nodes(graph, constant_inputs)
+        quantized = subclass_parts(graph) | {p for p in constant_inputs if is_packed(p)}
         groups: Dict[Tuple[Any, ...], List[_Projection]] = {}
+        dequantizing = 0
         for node in graph.nodes:
             projection = _projection(node, constant)
             if projection is not None:
                 key = (node.target, _source(projection.x), tensor_val(projection.weight).shape[1])
                 groups.setdefault(key, []).append(projection)
+            elif quantized and _reads_quantized(node, quantized):
+                dequantizing += 1
+        self.why_not = None
+        if dequantizing:
+            self.why_not = (f"{dequantizing} linear layers read quantized weights: a merged weight would be a "
+                            "dequantized full-precision copy of them, so they stay separate")
+            log.info("merge_projections: %s", self.why_not)
         merged = 0
         for members in (run for group in groups.values() for run in _within_blocks(graph, group)):
             if len(members) < 2:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.dtypes import is_compute_float
 from ..fx_utils import tensor_val
 from ..matcher import Op, Var
 from .base import FusionPass, Rule
@@ -23,8 +24,8 @@ def _check(m, root):
     if any(tensor_val(m[name]) is None for name in ("x", "y", "z")):
         return "an operand is not a tensor"
     product, out = tensor_val(m["product"]), tensor_val(root)
-    if not out.dtype.is_floating_point:
-        return f"the sum is {out.dtype}, not floating point"
+    if not is_compute_float(out.dtype):
+        return f"the sum is {out.dtype}, not a float the fused op computes in"
     if product.dtype != out.dtype:
         return f"the product is {product.dtype} and the sum {out.dtype}: eager rounds twice"
     return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.dtypes import is_compute_float
 from ..fx_utils import float_tensor, tensor_val
 from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
 from .base import FusionPass, Rule, last_dim_index
@@ -44,7 +45,7 @@ def _check(m, root):
         return "the weight is not a tensor"
     if "eps_tensor" in m.bindings:
         eps = tensor_val(m["eps_tensor"])
-        if eps is None or eps.dim() != 0 or not eps.dtype.is_floating_point or eps.device.type != "cpu":
+        if eps is None or eps.dim() != 0 or not is_compute_float(eps.dtype) or eps.device.type != "cpu":
             return "eps is neither a literal nor a 0-dim floating-point CPU tensor (a float Dynamo made an input)"
     return None
 

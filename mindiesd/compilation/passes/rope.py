@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from ...ops.dtypes import is_compute_float
 from ..fx_utils import float_tensor, known_eq, same_shape, tensor_val, val
 from ..matcher import Cast, Lit, Op, OutCast, Var
 from .base import FusionPass, Rule
@@ -282,7 +283,7 @@ def _check_matrix(m, x, d):
     if _norm_dim(m["x_dim"], rank + 2) != rank + 1:
         return "the pair elements are not selected along the last dimension"
     freqs = tensor_val(m["freqs"])
-    if (freqs is None or not freqs.dtype.is_floating_point or freqs.dim() < 3 or not known_eq(freqs.shape[-1], 2)
+    if (freqs is None or not is_compute_float(freqs.dtype) or freqs.dim() < 3 or not known_eq(freqs.shape[-1], 2)
             or not known_eq(freqs.shape[-2], 2) or not known_eq(freqs.shape[-3], d // 2)):
         return "freqs is not a [..., D/2, 2, 2] table of floats"
     if _norm_dim(m["freqs_dim"], freqs.dim()) != freqs.dim() - 1:

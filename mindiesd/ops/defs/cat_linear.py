@@ -14,6 +14,7 @@ import torch
 
 from .. import registry
 from .._rules import shape_str
+from ..dtypes import is_compute_float
 
 
 def cat_linear_rules(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.dtype:
@@ -22,7 +23,7 @@ def cat_linear_rules(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: Opt
     if not isinstance(xs, (list, tuple)) or len(xs) < 2:
         raise ValueError("mindiesd.cat_linear: xs must be a list of two or more tensors")
     first = xs[0]
-    if not first.dtype.is_floating_point:
+    if not is_compute_float(first.dtype):
         raise ValueError(f"mindiesd.cat_linear: the inputs must be floating-point tensors, got {first.dtype}")
     dtypes = {x.dtype for x in xs} | {weight.dtype} | ({bias.dtype} if bias is not None else set())
     if len(dtypes) != 1:

@@ -23,6 +23,7 @@ import torch
 from .. import registry
 from .._layout import concat_shape
 from .._rules import require_floating, shape_str
+from ..dtypes import is_compute_float
 from .rms_norm import reference as rms_norm_reference
 from .rope import reference as rope_reference
 from .rope import table_rules
@@ -58,7 +59,7 @@ def norm_rope_rules(
                              f"{dim}, got " + ", ".join(f"{x.dtype} {shape_str(x.shape)}" for x in xs))
     if not eps >= 0:
         raise ValueError(f"mindiesd.norm_rope: eps must be a number >= 0, got {eps!r}")
-    if norm_dtype is not None and not norm_dtype.is_floating_point:
+    if norm_dtype is not None and not is_compute_float(norm_dtype):
         raise ValueError(f"mindiesd.norm_rope: norm_dtype must be a floating-point dtype or None, got {norm_dtype}")
     width = first.shape[-1]
     for i, w in enumerate(weights):
