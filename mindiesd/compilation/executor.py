@@ -39,10 +39,14 @@ from .stored_graph import is_number
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["ENV", "Bound", "enabled", "Executed", "instructions", "runner"]
+__all__ = ["ENV", "VIEW_GEOMETRIES_ENV", "Bound", "enabled", "Executed", "instructions", "runner", "view_geometries"]
 
 #: ``MINDIESD_EXECUTOR=0``: every graph runs through the generated Python runner.
 ENV = "MINDIESD_EXECUTOR"
+#: ``MINDIESD_VIEW_GEOMETRIES=N``: per view op, the input geometries (sizes) whose views a program memoises
+#: (default :data:`DEFAULT_VIEW_GEOMETRIES`; 0: none, every view op is called).
+VIEW_GEOMETRIES_ENV = "MINDIESD_VIEW_GEOMETRIES"
+DEFAULT_VIEW_GEOMETRIES = 8
 
 aten = torch.ops.aten
 _profiling = torch._C._autograd._profiler_enabled
@@ -72,6 +76,22 @@ def runner(gm: GraphModule, facts: Optional[Mapping[str, Any]] = None, code: Any
     if generated == gm.forward or not enabled():
         return generated
     return Executed(gm, facts, generated)
+
+
+def view_geometries() -> int:
+    """How many input geometries each view op of a program built now memoises (``MINDIESD_VIEW_GEOMETRIES``);
+    ValueError naming the variable for a value that is not a non-negative integer."""
+    text = os.environ.get(VIEW_GEOMETRIES_ENV, "").strip()
+    if not text:
+        return DEFAULT_VIEW_GEOMETRIES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{VIEW_GEOMETRIES_ENV}={text!r}: expected a non-negative integer (the input sizes whose "
+                         f"views each view op keeps; default {DEFAULT_VIEW_GEOMETRIES}, 0 for none)")
+    return value
 
 
 class _Unsupported(Exception):
@@ -448,8 +468,9 @@ class Executed:
         if spec is None:
             return False
         count, inputs, program, outputs, output_is_list, below, attributes = spec
+        memo = view_geometries()  # a wrong setting is an error, not a quiet fallback to the generated runner
         try:
-            built = module.Program(count, inputs, list(program), outputs, output_is_list, below)
+            built = module.Program(count, inputs, list(program), outputs, output_is_list, below, memo)
         except Exception as exc:  # noqa: BLE001  (a constant or schema it cannot take: the generated runner)
             log.debug("executor program not built (%s: %s); the generated runner runs", type(exc).__name__, exc)
             return False

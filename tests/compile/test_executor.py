@@ -348,7 +348,7 @@ def test_linear_out_into_a_buffer_runs_its_cpp_entry_with_torch_linear_bits(dtyp
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     count, inputs, program, outputs, _, below, _ = executor.instructions(gm, {})
     assert below is True and [instruction[6][0] for instruction in program if instruction[6]] == ["linear_out"]
-    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True)
+    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True, 8)
     gen = torch.Generator().manual_seed(3)
     args = (torch.randn(12, 24, generator=gen).to(dtype), torch.randn(40, 24, generator=gen).to(dtype),
             torch.randn(40, generator=gen).to(dtype))
@@ -376,7 +376,7 @@ def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geome
     gm = _graph(views, base.view(5, 4, 3))
     count, inputs, program, outputs, _, below, _ = executor.instructions(gm, {})
     assert below is True
-    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True)
+    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True, 8)
     view_ops = 7  # permute, split, unsqueeze, two selects, slice, t
 
     def check(x):
@@ -396,6 +396,52 @@ def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geome
     assert shifted.storage_offset() == 60
     check(shifted)  # same geometry again, at an offset of its own
     assert built.memoised_views == 2 * view_ops
+
+
+@needs_program
+def test_the_view_memo_keeps_at_most_the_set_number_of_geometries(monkeypatch):
+    """``MINDIESD_VIEW_GEOMETRIES`` bounds the input geometries each view op memoises: a geometry past the bound
+    runs the op on every call, the memory the memo holds stops growing, and 0 memoises nothing."""
+    aten = torch.ops.aten
+
+    def views(x):
+        return (aten.mul.Tensor(aten.t.default(aten.select.int(x, 0, 1)), 2.0),)
+
+    gm = _graph(views, torch.randn(3, 4, 5))
+    count, inputs, program, outputs, _, _, _ = executor.instructions(gm, {})
+
+    def build(limit):
+        monkeypatch.setenv(executor.VIEW_GEOMETRIES_ENV, str(limit))
+        return cpp_build.extension().Program(count, inputs, list(program), outputs, False, True,
+                                             executor.view_geometries())
+
+    def run(built, length):
+        x = torch.randn(3, 4, length)
+        with torch.no_grad():
+            [got] = built.run((x,))
+        assert torch.equal(got, views(x)[0])
+
+    built = build(2)
+    empty = built.view_memo_bytes
+    for length in (5, 6, 7):  # three geometries, two kept
+        run(built, length)
+    kept = built.view_memo_bytes
+    assert kept > empty and built.memoised_views == 0
+    for length in (5, 6):
+        run(built, length)
+    assert built.memoised_views == 2 * 2  # select and t, for each kept geometry
+    run(built, 7)
+    run(built, 8)
+    assert built.memoised_views == 4 and built.view_memo_bytes == kept, "past the bound: the op runs, nothing kept"
+
+    unbounded = build(0)
+    for length in (5, 5, 6):
+        run(unbounded, length)
+    assert unbounded.memoised_views == 0 and unbounded.view_memo_bytes == 0
+
+    monkeypatch.setenv(executor.VIEW_GEOMETRIES_ENV, "many")
+    with pytest.raises(ValueError, match="MINDIESD_VIEW_GEOMETRIES='many': expected a non-negative integer"):
+        executor.view_geometries()
 
 
 @needs_program

@@ -246,11 +246,16 @@ struct ViewMemoEntry {
   std::vector<Geometry> results;
 };
 
-// A view op's memoised results for up to kViewGeometries input geometries (the sizes a graph with symbolic sizes
-// serves most; later ones run the op).
-constexpr size_t kViewGeometries = 8;
+// A view op's memoised results for up to ``count`` input geometries (the program's ``view_geometries``: the sizes
+// a graph with symbolic sizes serves most; later ones run the op).
 struct ViewMemo {
-  std::array<ViewMemoEntry, kViewGeometries> entries;
+  explicit ViewMemo(size_t n) : entries(new ViewMemoEntry[n]), count(n) {}
+  std::unique_ptr<ViewMemoEntry[]> entries;
+  size_t count;
+  const ViewMemoEntry* begin() const { return entries.get(); }
+  const ViewMemoEntry* end() const { return entries.get() + count; }
+  ViewMemoEntry* begin() { return entries.get(); }
+  ViewMemoEntry* end() { return entries.get() + count; }
 };
 
 using ViewInts = c10::SmallVector<int64_t, 8>;
@@ -289,11 +294,12 @@ std::optional<Tensor> optional_tensor(const IValue& value) {
 class Program {
  public:
   Program(int64_t slot_count, std::vector<int64_t> inputs, py::list instructions, py::list outputs,
-          bool output_is_list, bool below_autograd_allowed)
+          bool output_is_list, bool below_autograd_allowed, int64_t view_geometries)
       : slot_count_(slot_count),
         inputs_(std::move(inputs)),
         output_is_list_(output_is_list),
-        below_autograd_allowed_(below_autograd_allowed) {
+        below_autograd_allowed_(below_autograd_allowed),
+        view_geometries_(view_geometries < 0 ? 0 : static_cast<size_t>(view_geometries)) {
     for (const auto& item : instructions) {
       program_.push_back(instruction(py::reinterpret_borrow<py::tuple>(item)));
     }
@@ -316,6 +322,28 @@ class Program {
 
   int64_t memoised_views() const {
     return memoised_views_.load(std::memory_order_relaxed);
+  }
+
+  // The bytes the view memo holds: every view op's entries, and the sizes, strides and results of those filled.
+  int64_t view_memo_bytes() const {
+    size_t bytes = 0;
+    for (const Instruction& in : program_) {
+      if (!in.view) {
+        continue;
+      }
+      bytes += sizeof(ViewMemo) + in.view->count * sizeof(ViewMemoEntry);
+      for (const ViewMemoEntry& entry : *in.view) {
+        if (entry.state.load(std::memory_order_acquire) != 2) {
+          continue;
+        }
+        bytes += (entry.sizes.capacity() + entry.strides.capacity() + entry.ints.capacity()) * sizeof(int64_t);
+        bytes += entry.results.capacity() * sizeof(Geometry);
+        for (const Geometry& geometry : entry.results) {
+          bytes += (geometry.sizes.capacity() + geometry.strides.capacity()) * sizeof(int64_t);
+        }
+      }
+    }
+    return static_cast<int64_t>(bytes);
   }
 
   int64_t size() const {
@@ -460,7 +488,7 @@ class Program {
     return arg;
   }
 
-  static Instruction instruction(const py::tuple& spec) {
+  Instruction instruction(const py::tuple& spec) const {
     // (name, overload, args, outs, unpack, frees, direct, tracked)
     Instruction in;
     if (spec.size() != 8) {
@@ -518,7 +546,9 @@ class Program {
         std::all_of(in.args.begin() + 1, in.args.end(), [](const Arg& arg) {
           return arg.kind == Arg::kConst || arg.kind == Arg::kInts || arg.kind == Arg::kSlot || arg.kind == Arg::kTake;
         })) {
-      in.view = std::make_unique<ViewMemo>();  // its other arguments are constants or ints: memoised per their values
+      if (view_geometries_ > 0) {  // its other arguments are constants or ints: memoised per their values
+        in.view = std::make_unique<ViewMemo>(view_geometries_);
+      }
     }
     in.outs = py::cast<std::vector<int64_t>>(spec[3]);
     if (in.outs.size() != schema.returns().size()) {
@@ -703,7 +733,7 @@ class Program {
       return false;
     }
     const ViewMemoEntry* found = nullptr;
-    for (const ViewMemoEntry& entry : in.view->entries) {
+    for (const ViewMemoEntry& entry : *in.view) {
       const int state = entry.state.load(std::memory_order_acquire);
       if (state == 0) {
         break;  // entries fill in order: none after an empty one
@@ -748,7 +778,7 @@ class Program {
                             std::vector<int64_t> strides, int64_t offset, const ViewInts& ints,
                             const IValue& returned) {
     ViewMemoEntry* claimed = nullptr;
-    for (ViewMemoEntry& entry : in.view->entries) {
+    for (ViewMemoEntry& entry : *in.view) {
       int expected = 0;
       if (entry.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
         claimed = &entry;
@@ -843,7 +873,7 @@ class Program {
       std::optional<Tensor> view_base;
       std::vector<int64_t> base_sizes, base_strides;
       int64_t base_offset = 0;
-      if (memoisable && in.view->entries.back().state.load(std::memory_order_acquire) == 0 &&
+      if (memoisable && in.view->entries[in.view->count - 1].state.load(std::memory_order_acquire) == 0 &&
           slots[in.args[0].slot].isTensor() && plain_impl(slots[in.args[0].slot].toTensor())) {
         view_base = slots[in.args[0].slot].toTensor();
         base_sizes = view_base->sizes().vec();
@@ -895,16 +925,17 @@ class Program {
   mutable std::atomic<int64_t> memoised_views_{0};  // view ops that repeated their first call's results, all runs
   bool output_is_list_;
   bool below_autograd_allowed_;
+  size_t view_geometries_;  // per view op, the input geometries whose views are memoised (0: none)
 };
 
 }  // namespace
 
 void bind_executor(py::module_& m) {
   py::class_<Program, std::shared_ptr<Program>>(
-      m, "Program", "A fused graph with static shapes as instructions run from C++ (compilation/executor.py).")
-      .def(py::init<int64_t, std::vector<int64_t>, py::list, py::list, bool, bool>(), py::arg("slot_count"),
+      m, "Program", "A fused graph as instructions run from C++ (compilation/executor.py).")
+      .def(py::init<int64_t, std::vector<int64_t>, py::list, py::list, bool, bool, int64_t>(), py::arg("slot_count"),
            py::arg("inputs"), py::arg("instructions"), py::arg("outputs"), py::arg("output_is_list"),
-           py::arg("below_autograd_allowed"))
+           py::arg("below_autograd_allowed"), py::arg("view_geometries") = 8)
       .def("run", &Program::run, py::arg("args"), py::arg("no_grad") = false)
       .def("run_selected", &Program::run_selected, py::arg("folded"), py::arg("args"), py::arg("no_grad"))
       .def_property("selection", &Program::selection, &Program::set_selection)
@@ -912,6 +943,8 @@ void bind_executor(py::module_& m) {
                              "Fused ops and linear layers run through their C++ entry points, over all runs.")
       .def_property_readonly("memoised_views", &Program::memoised_views,
                              "View ops whose results repeated their first call's geometry (no call), over all runs.")
+      .def_property_readonly("view_memo_bytes", &Program::view_memo_bytes,
+                             "Bytes the view memo holds: every view op's entries and what the filled ones keep.")
       .def("__len__", &Program::size);
 }
 
