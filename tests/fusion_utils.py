@@ -127,3 +127,23 @@ def spec_counts(matches: Dict[str, int]) -> Dict[str, int]:
 def only(family: str, n: int) -> Dict[str, int]:
     """The expected counts: n of one family, none of the others."""
     return {f: (n if f == family else 0) for f in FAMILIES}
+
+
+def aten_graph(fn, *args):
+    """The functional aten graph aot hands the backend (with fake values on every node)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        def keep(aten_gm, _):
+            graphs.append(aten_gm)
+            return aten_gm.forward
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm

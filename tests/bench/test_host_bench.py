@@ -1,15 +1,12 @@
 """``bench host``: ops per forward and host time, eager against mindiesd (and Inductor, not run here)."""
 
-import argparse
-import io
-import json
 import os
 import subprocess
 import sys
 
 import torch
 
-from mindiesd.benchmarks import cli, common, host
+from mindiesd.benchmarks import common, host
 
 PROFILER_START = b"USDT:2026-12-05 18:09:58 3367:3367 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
 
@@ -46,19 +43,8 @@ def test_count_ops_prints_none_of_the_profilers_lines():
     assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
 
 
-def _bench(tmp_path, *argv):
-    """``bench`` run in this process with ``argv`` (its JSON report read back) -> (report, printed table)."""
-    parser = argparse.ArgumentParser()
-    cli.add_bench_command(parser.add_subparsers(dest="command"))
-    report = tmp_path / "report.json"
-    args = parser.parse_args(["bench", *argv, "--quiet", "--json", str(report)])
-    out = io.StringIO()
-    assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
-    return json.loads(report.read_text()), out.getvalue()
-
-
-def test_flux_at_host_size_runs_fewer_ops_than_eager(tmp_path):
-    data, out = _bench(tmp_path, "host", "--size", "host", "--iters", "3", "--warmup", "1")
+def test_flux_at_host_size_runs_fewer_ops_than_eager(run_bench):
+    data, out = run_bench("host", "--size", "host", "--iters", "3", "--warmup", "1")
     rows = {row["backend"]: row for row in data["rows"]}
     eager, fused = rows["eager"], rows["mindiesd"]
     assert fused["gemm_ops"] == eager["gemm_ops"] > 0
@@ -68,10 +54,10 @@ def test_flux_at_host_size_runs_fewer_ops_than_eager(tmp_path):
     assert "spread" in out.splitlines()[0]
 
 
-def test_shapes_modes_time_static_dynamic_and_automatic_dynamic_graphs_interleaved(tmp_path):
+def test_shapes_modes_time_static_dynamic_and_automatic_dynamic_graphs_interleaved(run_bench):
     """``--shapes static dynamic auto``: one mindiesd row per mode, each equal to eager; the dynamic and auto rows
     say their cost against the static graph's."""
-    data, out = _bench(tmp_path, "host", "--size", "host", "--shapes", "static", "dynamic", "auto", "--iters", "3",
+    data, out = run_bench("host", "--size", "host", "--shapes", "static", "dynamic", "auto", "--iters", "3",
                        "--warmup", "1")
     rows = {(row["backend"], row["shapes"]): row for row in data["rows"]}
     assert set(rows) == {("eager", None), ("mindiesd", "static"), ("mindiesd", "dynamic"), ("mindiesd", "auto")}
@@ -82,10 +68,10 @@ def test_shapes_modes_time_static_dynamic_and_automatic_dynamic_graphs_interleav
     assert "vs_static" in out.splitlines()[0]
 
 
-def test_sweep_serves_each_resolution_and_the_first_again_without_another_compile(tmp_path):
+def test_sweep_serves_each_resolution_and_the_first_again_without_another_compile(run_bench):
     """``bench sweep``: one row per resolution in turn (the first two again at the end), each equal to eager; the
     sizes seen before cost a forward, not a compile, on their second visit."""
-    data, out = _bench(tmp_path, "sweep", "--size", "host", "--sizes", "3", "--iters", "2")
+    data, out = run_bench("sweep", "--size", "host", "--sizes", "3", "--iters", "2")
     rows = data["rows"]
     assert [row["shape"] for row in rows] == ["grid=4x4", "grid=4x6", "grid=4x8", "grid=4x4", "grid=4x6"]
     assert all(row["max_rel_err"] < 1e-5 for row in rows)
@@ -94,12 +80,12 @@ def test_sweep_serves_each_resolution_and_the_first_again_without_another_compil
     assert [row["cache"] for row in rows] == ["off", "off", "-", "-", "-"]  # no cache folder by default
 
 
-def test_a_second_sweep_with_the_same_cache_folder_loads_the_static_and_the_symbolic_graph(tmp_path):
+def test_a_second_sweep_with_the_same_cache_folder_loads_the_static_and_the_symbolic_graph(tmp_path, run_bench):
     """``--cache-dir``: the first process stores the first size's static graph and the symbolic one automatic
     dynamic makes at the second size; a second process loads both and compiles nothing."""
     folder = str(tmp_path / "cache")
-    first, _ = _bench(tmp_path, "sweep", "--size", "host", "--sizes", "2", "--iters", "1", "--cache-dir", folder)
-    second, out = _bench(tmp_path, "sweep", "--size", "host", "--sizes", "2", "--iters", "1", "--cache-dir", folder)
+    first, _ = run_bench("sweep", "--size", "host", "--sizes", "2", "--iters", "1", "--cache-dir", folder)
+    second, out = run_bench("sweep", "--size", "host", "--sizes", "2", "--iters", "1", "--cache-dir", folder)
     assert [row["cache"] for row in first["rows"]] == ["stored", "stored", "-", "-"]
     assert [row["cache"] for row in second["rows"]] == ["hit", "hit", "-", "-"]
     assert all(row["max_rel_err"] < 1e-5 for row in second["rows"])

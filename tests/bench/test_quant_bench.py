@@ -3,30 +3,15 @@ quantized model."""
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
-
 import pytest
 
-from mindiesd.benchmarks import cli
 from mindiesd.benchmarks.quant import QUANT_CONFIGS, quantize
 
 pytest.importorskip("torchao")
 
 
-def _bench(tmp_path, *argv):
-    parser = argparse.ArgumentParser()
-    cli.add_bench_command(parser.add_subparsers(dest="command"))
-    report = tmp_path / "report.json"
-    args = parser.parse_args(["bench", *argv, "--quiet", "--json", str(report)])
-    out = io.StringIO()
-    assert args.handler(args, stdout=out, stderr=io.StringIO()) == 0
-    return json.loads(report.read_text()), out.getvalue()
-
-
-def test_an_int8_dynamic_flux_row_is_fused_without_a_fallback_and_matches_eager(tmp_path):
-    data, out = _bench(tmp_path, "model", "--model", "flux", "--quant", "int8-dynamic", "--iters", "1",
+def test_an_int8_dynamic_flux_row_is_fused_without_a_fallback_and_matches_eager(run_bench):
+    data, out = run_bench("model", "--model", "flux", "--quant", "int8-dynamic", "--iters", "1",
                        "--warmup", "0", "--cache-dir", "off")
     [row] = data["rows"]
     assert row["quant"] == "int8-dynamic" and "int8-dynamic" in out and "quant" in out.splitlines()[0]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion_utils import FAMILIES, run_compiled
+from fusion_utils import FAMILIES, aten_graph, run_compiled
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
 from mindiesd.compilation.matcher import Cast, Var, match
 from mindiesd.ops.dtypes import is_compute_float, promoted, widens
@@ -94,27 +94,8 @@ def test_the_dtype_rules_leave_storage_formats_out():
     assert not widens(torch.int8, torch.float32), "an integer is no float operand of a fused op"
 
 
-def _aten_graph(fn, *args):
-    """The functional aten graph aot hands the backend (with fake values on every node)."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        def keep(aten_gm, _):
-            graphs.append(aten_gm)
-            return aten_gm.forward
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep)
-
-    with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    (gm,) = graphs
-    return gm
-
-
 def test_a_cast_from_a_storage_format_is_no_cast_to_look_through():
-    gm = _aten_graph(lambda w, x: w.to(torch.float32) * x, torch.randn(4).to(torch.float8_e4m3fn), torch.randn(4))
+    gm = aten_graph(lambda w, x: w.to(torch.float32) * x, torch.randn(4).to(torch.float8_e4m3fn), torch.randn(4))
     (cast,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._to_copy.default]
     assert match(Cast(Var("w")), cast)["w"] is cast, "the float8 input is not bound through its cast"
     assert match(Cast(Var("w"), lossy=True), cast)["w"] is cast

@@ -7,32 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusion_utils import only, run_compiled
+from fusion_utils import aten_graph, only, run_compiled
 from mindiesd.compilation.matcher import Alt, Lit, Op, Var, explain, match
 from mindiesd.compilation.passes import PASSES
 from mindiesd.compilation.passes.base import FusionPass, Rule
 
 aten = torch.ops.aten
-
-
-def aten_graph(fn, *args):
-    """The functional aten graph aot hands the backend (with fake values on every node)."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        def keep(aten_gm, _):
-            graphs.append(aten_gm)
-            return aten_gm.forward
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep)
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    (gm,) = graphs
-    return gm
 
 
 def nodes_of(gm, target):
