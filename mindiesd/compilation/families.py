@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import ADALAYERNORM, CAT_LINEAR, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU, MUL_ADD, NORM_ROPE,
+                        RMS_NORM, ROPE)
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
            "GEMM_FAMILIES", "OP_FAMILIES"]
@@ -84,7 +85,8 @@ class FusionFamily:
 
 #: Family name -> declaration, in the order the passes run. The ``freeze`` stage runs first (before the graph
 #: is split into fold and main graphs), then the ``fusion`` stage in this order. Order matters where forms
-#: overlap: RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
+#: overlap: int8_linear and dequant_linear run first, as their rescale ends in a multiply-add that mul_add would
+#: otherwise take; RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
 #: sums apart; rms_norm runs first since its output feeds RoPE, and norm_rope after both, as it joins their ops
 #: (and the concatenation between them) into one; glu runs before linear_gelu and fast_gelu, which
 #: would otherwise take the gate's GELU out of its gated product; linear_gelu runs before fast_gelu, which would
@@ -109,6 +111,22 @@ FAMILIES: Dict[str, FusionFamily] = {
                 "cuda": Rewrite(False, "not measured on a GPU yet (bench/gpu_check.sh measures it)"),
                 "npu": Rewrite(False, "not measured on an NPU yet"),
             },
+        ),
+        FusionFamily(
+            name="int8_linear",
+            doc="Fuse a linear layer of torchao's int8 dynamic quantization (Int8DynamicActivationInt8WeightConfig): "
+                "the per-row quantization of its input, the int8 GEMM and the rescale (and bias) after it, "
+                "bit-exact with the unfused ops.",
+            op=INT8_LINEAR,
+            group="gemm",
+        ),
+        FusionFamily(
+            name="dequant_linear",
+            doc="Fuse a linear layer of torchao's weight-only quantization (Int8WeightOnlyConfig, "
+                "Float8WeightOnlyConfig): the weight's dequantization, the GEMM and the scale and bias after it, "
+                "with the unfused ops' roundings and no per-call copy of the weight.",
+            op=DEQUANT_LINEAR,
+            group="gemm",
         ),
         FusionFamily(
             name="rms_norm",

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from .defs.adalayernorm import reference as adalayernorm
 from .defs.cat_linear import reference as cat_linear
+from .defs.dequant_linear import reference as dequant_linear
 from .defs.fast_gelu import reference as fast_gelu
 from .defs.glu import reference as glu
+from .defs.int8_linear import reference as int8_linear
 from .defs.linear_gelu import reference as linear_gelu
 from .defs.mul_add import reference as mul_add
 from .defs.norm_rope import reference as norm_rope
@@ -23,5 +25,5 @@ from .defs.rms_norm import reference as rms_norm
 from .defs.rope import full_width
 from .defs.rope import reference as rope
 
-__all__ = ["adalayernorm", "cat_linear", "fast_gelu", "full_width", "glu", "linear_gelu", "mul_add", "norm_rope", "rms_norm",
+__all__ = ["adalayernorm", "cat_linear", "dequant_linear", "fast_gelu", "full_width", "glu", "int8_linear", "linear_gelu", "mul_add", "norm_rope", "rms_norm",
            "rope"]

@@ -59,6 +59,7 @@ class Run:
     fused: Dict[str, int]  # the mindiesd ops one compiled forward ran, per family
     folded: List[int] = field(default_factory=list)  # folded constants per compiled graph
     graphs: int = 0
+    quantized: Dict[str, int] = field(default_factory=dict)  # calls of the quantized-linear ops per forward
 
     @property
     def error(self) -> float:
@@ -85,7 +86,8 @@ def _compiled_run(case: zoo.Case) -> Run:
     records = backend.report().records
     assert [r.fallback for r in records if r.fallback] == []
     return Run(reference, actual, {f: calls.get(f, 0) for f in FAMILIES},
-               [r.folded_constants for r in records], backend.report().graphs)
+               [r.folded_constants for r in records], backend.report().graphs,
+               {op: calls.get(op, 0) for op in ("int8_linear", "dequant_linear")})
 
 
 def _quantized(name: str, config: str, dtype: torch.dtype) -> zoo.Case:
@@ -134,6 +136,9 @@ def test_quantized_tiny_flux_fuses_every_site_and_matches_eager(config, dtype):
     assert run.fused == case.expected(), "the families fused without quantization"
     assert {f for f, n in run.fused.items() if n} == {"norm_rope", "adalayernorm", "fast_gelu", "mul_add"}
     assert run.folded == [FLUX_FOLDED], "the frequency tables are folded; no quantized weight is"
+    layers = sum(isinstance(m, torch.nn.Linear) for m in case.model.modules())
+    op = "int8_linear" if config == "int8_dynamic" else "dequant_linear"
+    assert run.quantized == {"int8_linear": 0, "dequant_linear": 0, op: layers}, "every linear layer is one op"
     _assert_weights_stay_quantized(case, config)
     _assert_close_to_eager(run, case, config, dtype)
 

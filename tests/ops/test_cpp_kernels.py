@@ -33,7 +33,8 @@ from op_checks import DTYPES, assert_matches, randn  # noqa: E402
 
 OPS = torch.ops.mindiesd
 WIDTHS = [40, 96, 1000]
-OP_NAMES = ["rms_norm", "rope", "adalayernorm", "glu", "fast_gelu", "mul_add", "linear_gelu", "cat_linear"]
+OP_NAMES = ["rms_norm", "rope", "adalayernorm", "glu", "fast_gelu", "mul_add", "linear_gelu", "cat_linear",
+            "int8_linear", "dequant_linear"]
 
 #: Why this process runs without the C++ kernels by request (``MINDIESD_CPP_KERNELS=0``), or None.
 DISABLED_REASON = (

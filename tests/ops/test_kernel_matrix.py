@@ -41,6 +41,15 @@ def randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
+def _int8(n, k, seed=1):
+    return torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+
+
+#: Ops whose every kernel does the unfused sequence's arithmetic with its roundings: they must equal the reference
+#: at the input's dtype bit for bit (a float64 run is no reference for them: they take int8 and float8 operands).
+BIT_EXACT = {"int8_linear", "dequant_linear"}
+
+
 def _tables(s, d, dtype, per_pair=False):
     angles = randn(s, d // 2, dtype=torch.float32, seed=7)
     cos, sin = torch.cos(angles), torch.sin(angles)
@@ -118,6 +127,21 @@ CASES = {
         "three_2d_no_bias": lambda dt: ([randn(7, 8, dtype=dt), randn(7, 16, dtype=dt, seed=1),
                                          randn(7, 8, dtype=dt, seed=2)],
                                         (randn(12, 32, seed=3, dtype=torch.float32) * 0.2).to(dt), None),
+    },
+    "int8_linear": {
+        "bias": lambda dt: (randn(2, 5, 32, dtype=dt), _int8(24, 32), (randn(24, 1, seed=2, dtype=torch.float32).abs() * 0.01).to(dt),
+                            randn(24, dtype=dt, seed=3), 1.1920928955078125e-07),
+        "float32_scales_no_bias_2d": lambda dt: (randn(7, 40, dtype=dt), _int8(16, 40),
+                                                 randn(16, seed=2, dtype=torch.float32).abs() * 0.01 + 1e-3, None, 1e-3),
+    },
+    "dequant_linear": {
+        "float8_scale_first": lambda dt: (randn(2, 5, 32, dtype=dt),
+                                          (randn(24, 32, seed=1, dtype=torch.float32) * 4).to(torch.float8_e4m3fn),
+                                          randn(24, 1, seed=2, dtype=torch.float32).abs() * 0.1,
+                                          randn(24, dtype=dt, seed=3), True, dt),
+        "int8_scale_after_2d": lambda dt: (randn(7, 40, dtype=dt), _int8(16, 40),
+                                           (randn(16, seed=2, dtype=torch.float32).abs() * 0.01).to(dt), None, False,
+                                           dt),
     },
     "mul_add": {
         "gate": lambda dt: (randn(2, 1, 32, dtype=dt), randn(2, 9, 32, dtype=dt, seed=1),
@@ -214,6 +238,11 @@ def test_matrix(implementation, op, case, dtype, request):
     args = CASES[op][case](dtype)
     run = _kernel(implementation, op, request)
     out = run(*args)
+    if op in BIT_EXACT:
+        expected = getattr(reference, op)(*args)
+        assert out.dtype == expected.dtype and out.stride() == output_layout(op, args)[1]
+        assert torch.equal(out, expected)
+        return
     expected = getattr(reference, op)(*[_double(a) for a in args])
     expected_dtype = getattr(reference, op)(*args).dtype
     assert out.dtype == expected_dtype and out.shape == expected.shape

@@ -9,8 +9,10 @@ from ..families import FAMILIES
 from .adalayernorm import AdaLayerNormPass
 from .base import FusionPass, Rule
 from .cat_linear import CatLinearPass
+from .dequant_linear import DequantLinearPass
 from .fast_gelu import FastGeluPass
 from .glu import GluPass
+from .int8_linear import Int8LinearPass
 from .linear_gelu import LinearGeluPass
 from .merge_projections import MergeProjectionsPass
 from .mul_add import MulAddPass
@@ -18,8 +20,9 @@ from .norm_rope import NormRopePass
 from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
-_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, RMSNormPass, RoPEPass, NormRopePass, AdaLayerNormPass,
-                                        GluPass, LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
+_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, Int8LinearPass, DequantLinearPass, RMSNormPass,
+                                        RoPEPass, NormRopePass, AdaLayerNormPass, GluPass, LinearGeluPass, FastGeluPass,
+                                        MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")
 

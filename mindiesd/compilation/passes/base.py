@@ -80,6 +80,9 @@ class FusionPass:
 
     family: str = ""
     rules: Sequence[Rule] = ()
+    #: Whether the family's op takes storage-only tensors (a float8 weight) as they are; otherwise a match that
+    #: binds one is not fused.
+    reads_storage: bool = False
 
     def __init__(self) -> None:
         self.hits: Counter = Counter()
@@ -114,7 +117,7 @@ class FusionPass:
                     if explaining:
                         self._explain(rule, node, "an intermediate value of the match is used outside it")
                     continue
-                reason = _storage_only_binding(m) or (rule.check or _accept)(m, node)
+                reason = (None if self.reads_storage else _storage_only_binding(m)) or (rule.check or _accept)(m, node)
                 if reason is not None:
                     if explaining:
                         self._explain(rule, node, reason)

@@ -31,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cat_linear", &mindiesd_cpu::cat_linear, arg("xs"), arg("weight"), arg("bias"), release);
   m.def("linear_gelu", &mindiesd_cpu::linear_gelu, arg("x"), arg("weight"), arg("bias"), release);
   m.def("mul_add", &mindiesd_cpu::mul_add, arg("x"), arg("y"), arg("z"), release);
+  m.def("int8_linear", &mindiesd_cpu::int8_linear, arg("x"), arg("weight"), arg("weight_scale"), arg("bias"),
+        arg("eps"), arg("out_dtype"), release);
+  m.def("dequant_linear", &mindiesd_cpu::dequant_linear, arg("x"), arg("weight"), arg("weight_scale"), arg("bias"),
+        arg("scale_first"), arg("out_dtype"), release);
   m.def("capability", &mindiesd_cpu::capability);
   m.def("set_streaming_threshold", &mindiesd_cpu::set_streaming_threshold, arg("bytes"),
         "Outputs of at least ``bytes`` use non-temporal stores (-1: 3/4 of the L3 size).");

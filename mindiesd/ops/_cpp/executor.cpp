@@ -194,6 +194,8 @@ enum class Entry : int {
   kCatLinear,
   kLinearGelu,
   kMulAdd,
+  kInt8Linear,
+  kDequantLinear,
 };
 
 Entry entry_named(const std::string& name) {
@@ -202,7 +204,8 @@ Entry entry_named(const std::string& name) {
       {"norm_rope", Entry::kNormRope}, {"glu", Entry::kGlu}, {"fast_gelu", Entry::kFastGelu},
       {"linear", Entry::kLinear}, {"linear_out", Entry::kLinearOut}, {"cat_linear", Entry::kCatLinear},
       {"linear_gelu", Entry::kLinearGelu},
-      {"mul_add", Entry::kMulAdd}};
+      {"mul_add", Entry::kMulAdd}, {"int8_linear", Entry::kInt8Linear},
+      {"dequant_linear", Entry::kDequantLinear}};
   for (const auto& [known, entry] : kNames) {
     if (name == known) {
       return entry;
@@ -681,6 +684,14 @@ class Program {
           break;
         case Entry::kMulAdd:
           result = mindiesd_cpu::mul_add(v[0].toTensor(), v[1].toTensor(), v[2].toTensor());
+          break;
+        case Entry::kInt8Linear:
+          result = mindiesd_cpu::int8_linear(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), optional_tensor(v[3]),
+                                             v[4].toDouble(), dtype());
+          break;
+        case Entry::kDequantLinear:
+          result = mindiesd_cpu::dequant_linear(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(),
+                                                optional_tensor(v[3]), v[4].toBool(), dtype());
           break;
         case Entry::kNone:
           break;

@@ -1,6 +1,6 @@
 // Entry points of the single-pass CPU kernels (one source per op: rms_norm.cpp,
 // adalayernorm.cpp, rope.cpp, glu.cpp, fast_gelu.cpp (linear_gelu too),
-// mul_add.cpp, cat_linear.cpp; linear.cpp: aten's linear layer for the
+// mul_add.cpp, cat_linear.cpp, int8_linear.cpp, dequant_linear.cpp; linear.cpp: aten's linear layer for the
 // generated runner; the build and streaming settings in common.cpp; helpers
 // shared by them in common.h).
 //
@@ -45,6 +45,12 @@ std::optional<at::Tensor> cat_linear(
 std::optional<at::Tensor> linear_gelu(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 std::optional<at::Tensor> mul_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z);
+std::optional<at::Tensor> int8_linear(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+    const std::optional<at::Tensor>& bias, double eps, at::ScalarType out_dtype);
+std::optional<at::Tensor> dequant_linear(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+    const std::optional<at::Tensor>& bias, bool scale_first, at::ScalarType out_dtype);
 
 // A plain strided tensor of a device with no TensorImpl of its own (not a subclass, nor a wrapper): a view of it
 // made by hand (alias_view) is the view ATen makes below the view-tracking layer.

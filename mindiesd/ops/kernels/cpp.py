@@ -40,7 +40,8 @@ from .cpp_build import (  # noqa: F401  (the build's public names, as before the
     enabled,
     extension,
 )
-from ..defs import ADALAYERNORM, CAT_LINEAR, FAST_GELU, GLU, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM,
+                    ROPE)
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
@@ -110,6 +111,12 @@ linear_gelu = native(LINEAR_GELU, lambda t: (t.x, t.scale.reshape(3, 40), t.w[:3
 cat_linear = native(CAT_LINEAR, lambda t: ([t.x, t.x[..., :10]], t.scale.reshape(3, 40).repeat(1, 2)[:, :50], t.w[:3]))
 # The composition kernel explains shapes that do not broadcast.
 mul_add = native(MUL_ADD, lambda t: (t.x, t.scale, t.w), fallible=(RuntimeError,))
+# x [3, 2, 40] through 3 int8 output rows, with their scales and a bias
+int8_linear = native(INT8_LINEAR, lambda t: (t.x, (t.scale.reshape(3, 40) * 40).round().clamp(-128, 127).to(torch.int8),
+                                             t.w[:3].abs() + 0.01, t.shift[:3], 1.1920928955078125e-07))
+# the same weight stored as float8 and dequantized before the GEMM
+dequant_linear = native(DEQUANT_LINEAR, lambda t: (t.x, t.scale.reshape(3, 40).to(torch.float8_e4m3fn),
+                                                   t.w[:3].abs() + 0.01, t.shift[:3], True))
 
 
 def install() -> None:

@@ -20,6 +20,16 @@ blocks are views: a transposed column block is a column-major matrix with the fu
 which BLAS reads as it is. In bfloat16 and float16 the output would hold the partial sum between the GEMMs,
 rounded once per input where eager rounds once, so there the kernels concatenate and run one GEMM, as eager does
 (the pass fuses float32 and float64 only).
+
+int8_linear takes ``(x, weight, weight_scale, bias, eps, out_dtype)``: torchao's dynamic per-row int8 quantization
+of x, ``torch._int_mm`` and the rescale (``defs/int8_linear.py``). On CPU the C++ kernel (``cpp.py``) quantizes each
+row in one visit and rescales the int32 product in one pass; the composition here is torchao's own sequence. On
+CUDA the composition runs (the same ops as eager: declared not faster).
+
+dequant_linear takes ``(x, weight, weight_scale, bias, scale_first, out_dtype)``: torchao's weight-only int8 and
+float8 layers (``defs/dequant_linear.py``). On CPU the C++ kernel dequantizes into a buffer it keeps, runs ATen's
+GEMM and finishes in one pass; the composition here is torchao's sequence. On CUDA the composition runs (declared
+not faster).
 """
 
 from __future__ import annotations
@@ -31,11 +41,14 @@ import torch.nn.functional as F
 
 from .. import registry
 from .cpu import cpu_kernel
-from ..defs import CAT_LINEAR, LINEAR_GELU
+from ..defs import CAT_LINEAR, DEQUANT_LINEAR, INT8_LINEAR, LINEAR_GELU
 from ..defs.cat_linear import cat_linear_rules, column_blocks
+from ..defs.dequant_linear import reference as dequant_linear_reference
+from ..defs.int8_linear import reference as int8_linear_reference
 from ..defs.linear_gelu import linear_gelu_rules
 
-__all__ = ["linear_gelu_cpu", "linear_gelu_cuda", "cat_linear_cpu", "cat_linear_cuda", "epilogue_is_tanh_gelu",
+__all__ = ["linear_gelu_cpu", "linear_gelu_cuda", "cat_linear_cpu", "cat_linear_cuda", "int8_linear_cpu",
+           "int8_linear_cuda", "dequant_linear_cpu", "dequant_linear_cuda", "epilogue_is_tanh_gelu",
            "CUDA_KERNELS"]
 
 #: Op name -> CUDA kernel; registered with the Triton kernels where CUDA and Triton exist (``triton.register``).
@@ -122,3 +135,31 @@ def cat_linear_cuda(xs, weight: torch.Tensor, bias=None) -> torch.Tensor:
 def cat_linear_cpu(xs, weight: torch.Tensor, bias=None) -> torch.Tensor:
     cat_linear_rules(xs, weight, bias)
     return _accumulated(xs, weight, bias)
+
+
+@cpu_kernel(INT8_LINEAR)
+def int8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None,
+                    eps: float = 1.1920928955078125e-07, out_dtype=None) -> torch.Tensor:
+    """torchao's sequence (the C++ kernel of cpp.py runs in its place)."""
+    return int8_linear_reference(x, weight, weight_scale, bias, eps, out_dtype)
+
+
+@registry.kernel(INT8_LINEAR, "cuda", fast=False, into=CUDA_KERNELS, register=False,
+                 note="torchao's own sequence (no fused CUDA kernel yet): not faster than eager")
+def int8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None,
+                     eps: float = 1.1920928955078125e-07, out_dtype=None) -> torch.Tensor:
+    return int8_linear_reference(x, weight, weight_scale, bias, eps, out_dtype)
+
+
+@cpu_kernel(DEQUANT_LINEAR)
+def dequant_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None,
+                       scale_first: bool = False, out_dtype=None) -> torch.Tensor:
+    """torchao's sequence (the C++ kernel of cpp.py runs in its place)."""
+    return dequant_linear_reference(x, weight, weight_scale, bias, scale_first, out_dtype)
+
+
+@registry.kernel(DEQUANT_LINEAR, "cuda", fast=False, into=CUDA_KERNELS, register=False,
+                 note="torchao's own sequence (no fused CUDA kernel yet): not faster than eager")
+def dequant_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None,
+                        scale_first: bool = False, out_dtype=None) -> torch.Tensor:
+    return dequant_linear_reference(x, weight, weight_scale, bias, scale_first, out_dtype)

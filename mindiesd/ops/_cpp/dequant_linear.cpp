@@ -1,0 +1,207 @@
+// dequant_linear: a linear layer over int8 or float8 weights with a scale per
+// output channel (defs/dequant_linear.py). The weight is dequantized into a
+// buffer this thread keeps between calls (one pass over the stored weight, no
+// fresh allocation: eager's sequence makes one or two full-size copies per
+// call), ATen's GEMM multiplies, and one pass over the output applies what
+// follows the GEMM (the int8 form's scale, the bias, the output cast) in
+// place where the output has the GEMM's type.
+
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
+#include <array>
+#include <cstring>
+#include <type_traits>
+
+namespace mindiesd_cpu {
+namespace {
+
+// The dequantized weight's buffer of this thread, grown as needed (elements of the largest weight seen).
+Tensor scratch(int64_t n, int64_t k, ScalarType dtype) {
+  thread_local Tensor buffer;
+  const int64_t bytes = n * k * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!buffer.defined() || buffer.nbytes() < static_cast<size_t>(bytes)) {
+    buffer = at::detail::empty_cpu({bytes}, ScalarType::Byte, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
+  }
+  return buffer.view(ScalarType::Byte).slice(0, 0, bytes).view(dtype).view({n, k});
+}
+
+// The float32 value of every byte of a one-byte storage type (c10's conversion, once): a table lookup per element
+// instead of c10's bit-by-bit float8 decoding, which ATen's own cast runs per element.
+template <typename TQ>
+const float* byte_values() {
+  static_assert(sizeof(TQ) == 1, "one-byte storage types only");
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int i = 0; i < 256; ++i) {
+      const uint8_t byte = static_cast<uint8_t>(i);
+      TQ v;
+      std::memcpy(&v, &byte, 1);
+      values[i] = static_cast<float>(v);
+    }
+    return values;
+  }();
+  return table.data();
+}
+
+// w[n, k] = T(float32(q) * scale[n]) (scale_first) or T(q), rows split across threads.
+template <typename T, typename TQ, typename TS>
+void dequantize(const TQ* q, const TS* scale, T* w, int64_t n, int64_t k, bool scale_first) {
+  const float* values = byte_values<TQ>();
+  at::parallel_for(0, n, row_grain(k), [&](int64_t begin, int64_t end) {
+    alignas(64) std::array<float, kBlock> widened;
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* in = reinterpret_cast<const uint8_t*>(q) + r * k;
+      T* out = w + r * k;
+      const fVec s(scale_first ? static_cast<float>(scale[r]) : 1.0f);
+      for_each_block(0, k, false, [&](const auto& block) {
+        for (int64_t j = 0; j < block.n; ++j) {
+          widened[j] = values[in[block.j + j]];
+        }
+        fVec a = fVec::loadu(widened.data()), b = fVec::loadu(widened.data() + kLanes);
+        if (scale_first) {
+          a = a * s;
+          b = b * s;
+        }
+        block.store(out, a, b);
+      });
+    }
+  });
+}
+
+// out[m, n] = TO(((y * scale[n]) rounded as TP) + bias[n] (rounded as TSUM)), y the GEMM's output of x's type T.
+template <typename T, typename TS, typename TB, typename TO>
+void finish_rows(const T* y, const TS* scale, const TB* bias, TO* out, int64_t rows, int64_t n, bool round_product,
+                 bool round_sum) {
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* in = y + r * n;
+      TO* result = out + r * n;
+      for_each_block(0, n, false, [&](const auto& block) {
+        auto [a, b] = block.load(in);
+        if (scale != nullptr) {
+          const auto [sa, sb] = block.load(scale);
+          a = a * sa;
+          b = b * sb;
+          if (round_product) {
+            round_through<T>(a, b);
+          }
+        }
+        if (bias != nullptr) {
+          const auto [ba, bb] = block.load(bias);
+          a = a + ba;
+          b = b + bb;
+          if (round_sum) {
+            round_through<T>(a, b);
+          }
+        }
+        block.store(result, a, b);
+      });
+    }
+  });
+}
+
+template <typename T, typename F>
+void dispatch_pair(ScalarType t, const F& f) {
+  if (t == ScalarType::Float) {
+    f(float{});
+  } else {
+    f(T{});
+  }
+}
+
+template <typename F>
+bool dispatch_storage(ScalarType t, const F& f) {
+  switch (t) {
+    case ScalarType::Char:
+      f(int8_t{});
+      return true;
+    case ScalarType::Float8_e4m3fn:
+      f(c10::Float8_e4m3fn{});
+      return true;
+    case ScalarType::Float8_e5m2:
+      f(c10::Float8_e5m2{});
+      return true;
+    case ScalarType::Float8_e4m3fnuz:
+      f(c10::Float8_e4m3fnuz{});
+      return true;
+    case ScalarType::Float8_e5m2fnuz:
+      f(c10::Float8_e5m2fnuz{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+std::optional<Tensor> dequant_linear(const Tensor& x, const Tensor& weight, const Tensor& weight_scale,
+                                     const std::optional<Tensor>& bias, bool scale_first, ScalarType out_dtype) {
+  const bool biased = bias.has_value() && bias->defined();
+  const ScalarType t = x.scalar_type();
+  auto pairs_with_x = [&](ScalarType d) { return d == t || d == ScalarType::Float; };
+  const bool storable = dispatch_storage(weight.scalar_type(), [](auto) {});
+  if (!on_cpu(x) || !on_cpu(weight) || !on_cpu(weight_scale) || !is_covered_float(t) || x.dim() < 1 || !storable ||
+      weight.dim() != 2 || weight.size(1) != x.size(-1) || weight.size(0) == 0 || weight.size(1) == 0 ||
+      weight_scale.numel() != weight.size(0) || !pairs_with_x(weight_scale.scalar_type()) ||
+      !pairs_with_x(out_dtype) ||
+      (biased && !(on_cpu(*bias) && pairs_with_x(bias->scalar_type()) && bias->dim() == 1 &&
+                   bias->size(0) == weight.size(0)))) {
+    return std::nullopt;
+  }
+  at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
+  const int64_t k = x.size(-1), n = weight.size(0);
+  const int64_t rows = x.numel() / k;
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  if (rows == 0) {
+    return empty_output(x, sizes, out_dtype);
+  }
+  const Tensor q = weight.is_contiguous() ? weight : weight.contiguous();
+  const Tensor s = weight_scale.is_contiguous() ? weight_scale : weight_scale.contiguous();
+  Tensor w = scratch(n, k, t);
+  dispatch_float(t, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_storage(q.scalar_type(), [&](auto storage_tag) {
+      using TQ = decltype(storage_tag);
+      dispatch_pair<T>(s.scalar_type(), [&](auto scale_tag) {
+        using TS = decltype(scale_tag);
+        dequantize<T, TQ, TS>(q.const_data_ptr<TQ>(), s.const_data_ptr<TS>(), w.mutable_data_ptr<T>(), n, k,
+                              scale_first);
+      });
+    });
+  });
+  const Tensor x2d = x.reshape({rows, k});
+  Tensor y = empty_output(x, {rows, n}, t);
+  at::mm_out(y, x2d, w.t());
+  const bool scaled = !scale_first;
+  if (!scaled && !biased && out_dtype == t) {
+    return y.view(sizes);
+  }
+  // the product rounds to T where the scale is T (else float32), the sum where the product and the bias do
+  const bool round_product = scaled && s.scalar_type() == t;
+  const bool round_sum = (!scaled || round_product) && (!biased || bias->scalar_type() == t);
+  const Tensor b = biased ? (bias->is_contiguous() ? *bias : bias->contiguous()) : Tensor();
+  Tensor out = out_dtype == t ? y : empty_output(x, {rows, n}, out_dtype);
+  dispatch_float(t, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_pair<T>(s.scalar_type(), [&](auto scale_tag) {
+      using TS = decltype(scale_tag);
+      dispatch_pair<T>(biased ? b.scalar_type() : t, [&](auto bias_tag) {
+        using TB = decltype(bias_tag);
+        dispatch_pair<T>(out_dtype, [&](auto out_tag) {
+          using TO = decltype(out_tag);
+          finish_rows<T, TS, TB, TO>(y.const_data_ptr<T>(), scaled ? s.const_data_ptr<TS>() : nullptr,
+                                     biased ? b.const_data_ptr<TB>() : nullptr, out.mutable_data_ptr<TO>(), rows, n,
+                                     round_product, round_sum);
+        });
+      });
+    });
+  });
+  return out.view(sizes);
+}
+
+}  // namespace mindiesd_cpu

@@ -1,0 +1,91 @@
+"""``mindiesd::dequant_linear``: a linear layer over weights stored as int8 or float8 with one scale per output
+channel (weight-only quantization: torchao's ``Int8WeightOnlyConfig`` and ``Float8WeightOnlyConfig``), dequantized
+inside the op.
+
+For x ``[..., K]`` of dtype T (float32, bfloat16 or float16), weight ``[N, K]`` (int8 or a float8 type),
+weight_scale of N values and bias ``[N]`` or None, with the roundings of torchao's unfused sequences:
+
+* ``scale_first`` (float8): ``w = T(float32(weight) * weight_scale)``, then ``x @ w.T`` in T;
+* otherwise (int8): ``w = T(weight)``, then ``(x @ w.T) * weight_scale`` in the promoted dtype of T and the
+  scale's (torchao casts a 16-bit model's scale to T first);
+
+then ``+ bias`` in the promoted dtype, cast to ``out_dtype`` (by default x's dtype promoted with the bias's;
+the pass always gives the dtype of the output it replaces). The output is
+contiguous, ``x.shape[:-1] + (N,)``. The kernels write the dequantized weight into a buffer they keep for the next
+call (eager's sequence allocates one or two full-size copies per layer and call, and frees them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import registry
+from .._rules import shape_str
+
+__all__ = ["DEQUANT_LINEAR", "STORAGE_DTYPES", "dequant_linear_rules", "dequantized_weight", "reference"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The weight storage dtypes the op dequantizes: int8 and every float8 type.
+STORAGE_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                            torch.float8_e5m2fnuz})
+
+
+def dequant_linear_rules(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]) -> tuple:
+    """Validate dequant_linear inputs; return (output dtype, x's dtype)."""
+    op = "mindiesd.dequant_linear"
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least one dimension")
+    if weight.dtype not in STORAGE_DTYPES or weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be a 2-D int8 or float8 tensor [out_features, in_features], got "
+                         f"{weight.dtype} {shape_str(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: weight {shape_str(weight.shape)} does not take x's last dimension {x.shape[-1]}")
+    n = weight.shape[0]
+    if weight_scale.dtype not in (x.dtype, torch.float32) or weight_scale.numel() != n:
+        raise ValueError(f"{op}: weight_scale must hold {n} values of x's dtype {x.dtype} or float32, got "
+                         f"{weight_scale.dtype} {shape_str(weight_scale.shape)}")
+    if bias is not None and (bias.dtype not in (x.dtype, torch.float32) or bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"{op}: bias must be [{n}] of x's dtype {x.dtype} or float32, got {bias.dtype} "
+                         f"{shape_str(bias.shape)}")
+    if out_dtype is None:
+        out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
+    if out_dtype not in _DTYPES:
+        raise ValueError(f"{op}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    devices = {t.device for t in (x, weight, weight_scale, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: the tensors must be on one device, got {sorted(map(str, devices))}")
+    return out_dtype, x.dtype
+
+
+def dequantized_weight(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
+                       scale_first: bool) -> torch.Tensor:
+    """The [N, K] weight the GEMM reads: ``T(float32(weight) * scale)`` (scale_first) or ``T(weight)``."""
+    if scale_first:
+        return (weight.to(torch.float32) * weight_scale.reshape(-1, 1)).to(dtype)
+    return weight.to(dtype)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              scale_first: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """torchao's unfused sequence (see the module doc)."""
+    out_dtype, _ = dequant_linear_rules(x, weight, weight_scale, bias, out_dtype)
+    k, n = x.shape[-1], weight.shape[0]
+    out = torch.mm(x.reshape(-1, k), dequantized_weight(weight, weight_scale, x.dtype, scale_first).t())
+    if not scale_first:
+        out = out * weight_scale.reshape(-1)
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype).reshape(*x.shape[:-1], n).contiguous()
+
+
+DEQUANT_LINEAR = registry.declare(registry.OpDef(
+    schema="dequant_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, bool scale_first, "
+           "ScalarType? out_dtype=None) -> Tensor",
+    layout="gemm", rows=False,
+    reference=reference, checks=dequant_linear_rules, layout_args=2,
+))
