@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU, MUL_ADD, NORM_ROPE,
-                        RMS_NORM, ROPE)
+from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU,
+                        MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
            "GEMM_FAMILIES", "OP_FAMILIES"]

@@ -25,5 +25,5 @@ from .defs.rms_norm import reference as rms_norm
 from .defs.rope import full_width
 from .defs.rope import reference as rope
 
-__all__ = ["adalayernorm", "cat_linear", "dequant_linear", "fast_gelu", "full_width", "glu", "int8_linear", "linear_gelu", "mul_add", "norm_rope", "rms_norm",
-           "rope"]
+__all__ = ["adalayernorm", "cat_linear", "dequant_linear", "fast_gelu", "full_width", "glu", "int8_linear",
+           "linear_gelu", "mul_add", "norm_rope", "rms_norm", "rope"]

@@ -129,7 +129,8 @@ CASES = {
                                         (randn(12, 32, seed=3, dtype=torch.float32) * 0.2).to(dt), None),
     },
     "int8_linear": {
-        "bias": lambda dt: (randn(2, 5, 32, dtype=dt), _int8(24, 32), (randn(24, 1, seed=2, dtype=torch.float32).abs() * 0.01).to(dt),
+        "bias": lambda dt: (randn(2, 5, 32, dtype=dt), _int8(24, 32),
+                            (randn(24, 1, seed=2, dtype=torch.float32).abs() * 0.01).to(dt),
                             randn(24, dtype=dt, seed=3), 1.1920928955078125e-07),
         "float32_scales_no_bias_2d": lambda dt: (randn(7, 40, dtype=dt), _int8(16, 40),
                                                  randn(16, seed=2, dtype=torch.float32).abs() * 0.01 + 1e-3, None, 1e-3),

@@ -20,16 +20,13 @@ from torch.fx import Node
 
 from ...ops.defs.dequant_linear import STORAGE_DTYPES
 from ..fx_utils import is_call, tensor_val
-from ..matcher import CAST_OPS, Match, Pattern
+from ..matcher import CAST_OPS, Match
 from .base import FusionPass, Rule
-from .int8_linear import _VIEWS, _cast_to, _operands, _views
+from .int8_linear import _VIEWS, QuantizedLayer, _cast_to, _operands, _views, check_layer
 
 aten = torch.ops.aten
 
 __all__ = ["DequantLinearPass", "WeightOnlyLinear"]
-
-_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def _transposed(node: Any) -> Optional[Node]:
     """The matrix under ``t(·)`` or a 2-D ``permute(·, [1, 0])``, or None."""
@@ -40,12 +37,14 @@ def _transposed(node: Any) -> Optional[Node]:
     return None
 
 
-class WeightOnlyLinear(Pattern):
+class WeightOnlyLinear(QuantizedLayer):
     """A weight-only quantized linear layer, from its output up to x (see the module doc).
 
     Binds ``x``, ``rows`` (x as the GEMM reads it), ``w`` (the stored weight), ``ws`` (the scale as the op reads
     it), ``ws_view`` (as the graph applies it), ``scale_first``, ``bias`` (or None) and ``dequantized`` (the weight
     the GEMM reads)."""
+
+    body_name = "a GEMM with a dequantized weight"
 
     def roots(self) -> frozenset:
         return frozenset({aten.add.Tensor, aten.mul.Tensor, aten.mm.default, *CAST_OPS, *_VIEWS})
@@ -53,32 +52,7 @@ class WeightOnlyLinear(Pattern):
     def describe(self) -> str:
         return "mm(x, dequantize(t(w))) [* scale] [+ bias]"
 
-    def match(self, value: Any, m: Match) -> bool:
-        if not isinstance(value, Node):
-            return m.fail("a node", value)
-        node, head = value, []
-        if _cast_to(node) is not None:
-            head.append(node)
-            node = node.args[0]
-        node = _views(node, head)
-        if is_call(node, aten.add.Tensor) and not node.kwargs:
-            for product, bias in _operands(node):
-                state = m.save()
-                if isinstance(bias, Node) and self._product(product, m):
-                    m.interior.extend([*head, node])
-                    m.bindings["bias"] = bias
-                    return True
-                m.restore(state)
-            return m.fail("the bias added to a dequantized weight's GEMM", node)
-        state = m.save()
-        if self._product(node, m):
-            m.interior.extend(head)
-            m.bindings["bias"] = None
-            return True
-        m.restore(state)
-        return m.fail("a GEMM with a dequantized weight", node)
-
-    def _product(self, value: Any, m: Match) -> bool:
+    def body(self, value: Any, m: Match) -> bool:
         seen: List[Node] = []
         node = _views(value, seen)
         if is_call(node, aten.mul.Tensor) and not node.kwargs:  # the int8 form: the scale after the GEMM
@@ -143,31 +117,15 @@ class WeightOnlyLinear(Pattern):
 
 
 def _check(m: Match, root: Node) -> Optional[str]:
-    x, w, ws, bias = (tensor_val(m[k]) for k in ("x", "w", "ws", "bias"))
-    if x is None or w is None or ws is None:
-        return "x, the weight or the scale is not a tensor"
-    if x.dtype not in _X_DTYPES:
-        return f"x is {x.dtype}, not float32, bfloat16 or float16"
-    if w.dtype not in STORAGE_DTYPES or w.dim() != 2:
-        return f"the weight is {w.dtype} of {w.dim()} dimensions, not a 2-D int8 or float8 matrix"
-    n, k = w.shape
+    reason = check_layer(m, root, STORAGE_DTYPES, "int8 or float8")
+    if reason is not None:
+        return reason
+    x, k = tensor_val(m["x"]), tensor_val(m["w"]).shape[1]
     rows, dequantized = tensor_val(m["rows"]), tensor_val(m["dequantized"])
-    if x.dim() < 1 or x.shape[-1] != k or rows is None or rows.dim() != 2 or rows.shape[-1] != k:
+    if rows is None or rows.dim() != 2 or rows.shape[-1] != k:
         return "x's rows are not the GEMM's rows"
     if dequantized is None or dequantized.dtype != x.dtype:
         return f"the dequantized weight is not of x's dtype {x.dtype}"
-    if ws.dtype not in (x.dtype, torch.float32) or ws.numel() != n:
-        return f"the scale is {ws.dtype} of {ws.numel()} values, not {n} of x's dtype or float32"
-    ws_view = tensor_val(m["ws_view"])
-    if ws_view is None or ws_view.numel() != n or ws_view.shape[-1] != n:
-        return "the scale is not applied per output channel"
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype not in (x.dtype, torch.float32)):
-        return "the added tensor is not a bias of the output width in x's dtype or float32"
-    out = tensor_val(root)
-    if out is None or out.dtype not in _X_DTYPES:
-        return "the output is not float32, bfloat16 or float16"
-    if out.shape[-1] != n or out.numel() != x.numel() // k * n:
-        return "the output is not the layer's rows"
     return None
 
 

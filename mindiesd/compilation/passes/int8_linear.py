@@ -17,22 +17,21 @@ clamp a positive minimum; any other form (asymmetric, per-tensor, another range)
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Collection, List, Optional, Tuple
 
 import torch
 from torch.fx import Node
 
-from ...ops.dtypes import is_compute_float
+from ...ops.defs._quantized import X_DTYPES
 from ..fx_utils import is_call, tensor_val
 from ..matcher import CAST_OPS, Match, Pattern
 from .base import FusionPass, Rule, last_dim_index
 
 aten = torch.ops.aten
 
-__all__ = ["Int8LinearPass", "DynamicInt8Linear"]
+__all__ = ["Int8LinearPass", "DynamicInt8Linear", "QuantizedLayer", "check_layer"]
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _cast_to(node: Any) -> Optional[torch.dtype]:
@@ -68,11 +67,49 @@ def _operands(node: Node) -> List[Tuple[Any, Any]]:
     return [(a, b), (b, a)]
 
 
-class DynamicInt8Linear(Pattern):
+class QuantizedLayer(Pattern):
+    """A quantized linear layer from its output up: an optional final cast, views, then ``body + bias`` or the
+    body alone (binds ``bias``, None without one). Subclasses match the body (:meth:`body`)."""
+
+    #: What the body is, for the explain log.
+    body_name = "the layer's product"
+
+    def body(self, value: Any, m: Match) -> bool:
+        raise NotImplementedError
+
+    def match(self, value: Any, m: Match) -> bool:
+        if not isinstance(value, Node):
+            return m.fail("a node", value)
+        node, head = value, []
+        if _cast_to(node) is not None:
+            head.append(node)
+            node = node.args[0]
+        node = _views(node, head)
+        if is_call(node, aten.add.Tensor) and not node.kwargs:
+            for top, bias in _operands(node):
+                state = m.save()
+                if isinstance(bias, Node) and self.body(top, m):
+                    m.interior.extend([*head, node])
+                    m.bindings["bias"] = bias
+                    return True
+                m.restore(state)
+            return m.fail(f"the bias added to {self.body_name}", node)
+        state = m.save()
+        if self.body(node, m):
+            m.interior.extend(head)
+            m.bindings["bias"] = None
+            return True
+        m.restore(state)
+        return m.fail(self.body_name, node)
+
+
+class DynamicInt8Linear(QuantizedLayer):
     """A linear layer of torchao's int8 dynamic quantization, from its output up to x (see the module doc).
 
     Binds ``x``, ``w`` (int8 ``[N, K]``), ``ws`` (the weight scale), ``bias`` (or None), ``eps``, ``scale`` (the
-    float32 row-scale node), ``product`` (the ``_int_mm``) and ``out_cast`` (the final cast, or None)."""
+    float32 row-scale node) and ``product`` (the ``_int_mm``)."""
+
+    body_name = "the rescaled integer product"
 
     def roots(self) -> frozenset:
         return frozenset({aten.add.Tensor, aten.mul.Tensor, *CAST_OPS, *_VIEWS})
@@ -80,31 +117,8 @@ class DynamicInt8Linear(Pattern):
     def describe(self) -> str:
         return "rescale(_int_mm(quantize_rows(x), t(w))) [+ bias]"
 
-    def match(self, value: Any, m: Match) -> bool:
-        if not isinstance(value, Node):
-            return m.fail("a node", value)
-        node, head = value, []
-        out_cast = None
-        if _cast_to(node) is not None:
-            out_cast, node = node, node.args[0]
-            head.append(out_cast)
-        node = _views(node, head)
-        if is_call(node, aten.add.Tensor) and not node.kwargs:
-            for top, bias in _operands(node):
-                state = m.save()
-                if isinstance(bias, Node) and self._rescale(top, m):
-                    m.interior.extend([*head, node])
-                    m.bindings.update(bias=bias, out_cast=out_cast)
-                    return True
-                m.restore(state)
-            return m.fail("the bias added to the rescaled integer product", node)
-        state = m.save()
-        if self._rescale(node, m):
-            m.interior.extend(head)
-            m.bindings.update(bias=None, out_cast=out_cast)
-            return True
-        m.restore(state)
-        return m.fail("the rescaled integer product", node)
+    def body(self, value: Any, m: Match) -> bool:
+        return self._rescale(value, m)
 
     def _rescale(self, value: Any, m: Match) -> bool:
         """``T(float32(_int_mm(q, t(w))) * scale) * ws`` (products in either order), views around it."""
@@ -253,17 +267,40 @@ class DynamicInt8Linear(Pattern):
         return None
 
 
-def _check(m: Match, root: Node) -> Optional[str]:
+def check_layer(m: Match, root: Node, storage: Collection[torch.dtype], storage_name: str) -> Optional[str]:
+    """What the quantized linear layers' checks share (bindings ``x``, ``w``, ``ws``, ``ws_view``, ``bias``): None,
+    or why the match is not one: x of a dtype the ops compute in, a 2-D weight of ``storage`` taking x's last
+    dimension, one scale per output column, a bias of the output width, an output of the layer's rows."""
     x, w, ws, bias = (tensor_val(m[k]) for k in ("x", "w", "ws", "bias"))
     if x is None or w is None or ws is None:
         return "x, the weight or the weight scale is not a tensor"
-    if x.dtype not in _X_DTYPES:
+    if x.dtype not in X_DTYPES:
         return f"x is {x.dtype}, not float32, bfloat16 or float16"
-    if w.dtype != torch.int8 or w.dim() != 2:
-        return f"the weight is {w.dtype} of {w.dim()} dimensions, not a 2-D int8 matrix"
+    if w.dtype not in storage or w.dim() != 2:
+        return f"the weight is {w.dtype} of {w.dim()} dimensions, not a 2-D {storage_name} matrix"
     n, k = w.shape
     if x.dim() < 1 or x.shape[-1] != k:
         return "x's last dimension is not the weight's input width"
+    if ws.dtype not in (x.dtype, torch.float32) or ws.numel() != n:
+        return f"the weight scale is {ws.dtype} of {ws.numel()} values, not {n} of x's dtype or float32"
+    ws_view = tensor_val(m["ws_view"])
+    if ws_view is None or ws_view.shape[-1] != n or ws_view.numel() != n:
+        return "the weight scale is not applied per output column"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype not in (x.dtype, torch.float32)):
+        return "the added tensor is not a bias of the output width in x's dtype or float32"
+    out = tensor_val(root)
+    if out is None or out.dtype not in X_DTYPES:
+        return "the output is not float32, bfloat16 or float16"
+    if out.shape[-1] != n or out.numel() != x.numel() // k * n:
+        return "the output is not the layer's rows"
+    return None
+
+
+def _check(m: Match, root: Node) -> Optional[str]:
+    reason = check_layer(m, root, (torch.int8,), "int8")
+    if reason is not None:
+        return reason
+    x, k = tensor_val(m["x"]), tensor_val(m["w"]).shape[1]
     for name in ("x_view", "q"):
         viewed = tensor_val(m[name])
         if viewed is None or viewed.dim() < 1 or viewed.shape[-1] != k:
@@ -275,22 +312,9 @@ def _check(m: Match, root: Node) -> Optional[str]:
     scale = tensor_val(m["scale"])
     if scale is None or scale.dtype != torch.float32 or scale.shape[-1] != 1:
         return "the row scale is not a float32 [..., 1] tensor"
-    if ws.dtype not in (x.dtype, torch.float32) or ws.numel() != n:
-        return f"the weight scale is {ws.dtype} of {ws.numel()} values, not {n} of x's dtype or float32"
-    ws_view = tensor_val(m["ws_view"])
-    if ws_view is None or ws_view.shape[-1] != n or ws_view.numel() != n:
-        return "the weight scale is not applied per output column"
     y1 = tensor_val(m["y1"])
     if y1 is None or y1.dtype != x.dtype or tensor_val(m["rows_scaled"]).dtype != torch.float32:
         return "the row rescale is not rounded to x's dtype"
-    if bias is not None:
-        if bias.dim() != 1 or bias.shape[0] != n or bias.dtype not in (x.dtype, torch.float32):
-            return "the added tensor is not a bias of the output width in x's dtype or float32"
-    out = tensor_val(root)
-    if out is None or not is_compute_float(out.dtype) or out.dtype not in _X_DTYPES:
-        return "the output is not float32, bfloat16 or float16"
-    if out.shape[-1] != n or out.numel() != x.numel() // k * n:
-        return "the output is not the layer's rows"
     return None
 
 

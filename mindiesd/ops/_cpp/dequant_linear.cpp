@@ -6,7 +6,7 @@
 // follows the GEMM (the int8 form's scale, the bias, the output cast) in
 // place where the output has the GEMM's type.
 
-#include "common.h"
+#include "quantized.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -73,43 +73,17 @@ void dequantize(const TQ* q, const TS* scale, T* w, int64_t n, int64_t k, bool s
 
 // out[m, n] = TO(((y * scale[n]) rounded as TP) + bias[n] (rounded as TSUM)), y the GEMM's output of x's type T.
 template <typename T, typename TS, typename TB, typename TO>
-void finish_rows(const T* y, const TS* scale, const TB* bias, TO* out, int64_t rows, int64_t n, bool round_product,
-                 bool round_sum) {
+void finish_rows(const T* y, const TS* scale, const TB* bias, TO* out, int64_t rows, int64_t n, Epilogue rounding) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* in = y + r * n;
       TO* result = out + r * n;
       for_each_block(0, n, false, [&](const auto& block) {
-        auto [a, b] = block.load(in);
-        if (scale != nullptr) {
-          const auto [sa, sb] = block.load(scale);
-          a = a * sa;
-          b = b * sb;
-          if (round_product) {
-            round_through<T>(a, b);
-          }
-        }
-        if (bias != nullptr) {
-          const auto [ba, bb] = block.load(bias);
-          a = a + ba;
-          b = b + bb;
-          if (round_sum) {
-            round_through<T>(a, b);
-          }
-        }
-        block.store(result, a, b);
+        const auto [a, b] = block.load(in);
+        finish_block<T>(block, a, b, scale, bias, result, rounding);
       });
     }
   });
-}
-
-template <typename T, typename F>
-void dispatch_pair(ScalarType t, const F& f) {
-  if (t == ScalarType::Float) {
-    f(float{});
-  } else {
-    f(T{});
-  }
 }
 
 template <typename F>
@@ -141,14 +115,8 @@ std::optional<Tensor> dequant_linear(const Tensor& x, const Tensor& weight, cons
                                      const std::optional<Tensor>& bias, bool scale_first, ScalarType out_dtype) {
   const bool biased = bias.has_value() && bias->defined();
   const ScalarType t = x.scalar_type();
-  auto pairs_with_x = [&](ScalarType d) { return d == t || d == ScalarType::Float; };
-  const bool storable = dispatch_storage(weight.scalar_type(), [](auto) {});
-  if (!on_cpu(x) || !on_cpu(weight) || !on_cpu(weight_scale) || !is_covered_float(t) || x.dim() < 1 || !storable ||
-      weight.dim() != 2 || weight.size(1) != x.size(-1) || weight.size(0) == 0 || weight.size(1) == 0 ||
-      weight_scale.numel() != weight.size(0) || !pairs_with_x(weight_scale.scalar_type()) ||
-      !pairs_with_x(out_dtype) ||
-      (biased && !(on_cpu(*bias) && pairs_with_x(bias->scalar_type()) && bias->dim() == 1 &&
-                   bias->size(0) == weight.size(0)))) {
+  if (!dispatch_storage(weight.scalar_type(), [](auto) {}) ||
+      !covers_layer(x, weight, weight_scale, bias, out_dtype)) {
     return std::nullopt;
   }
   at::NoGradGuard no_grad;
@@ -167,11 +135,13 @@ std::optional<Tensor> dequant_linear(const Tensor& x, const Tensor& weight, cons
     using T = decltype(tag);
     dispatch_storage(q.scalar_type(), [&](auto storage_tag) {
       using TQ = decltype(storage_tag);
-      dispatch_pair<T>(s.scalar_type(), [&](auto scale_tag) {
-        using TS = decltype(scale_tag);
-        dequantize<T, TQ, TS>(q.const_data_ptr<TQ>(), s.const_data_ptr<TS>(), w.mutable_data_ptr<T>(), n, k,
-                              scale_first);
-      });
+      if (s.scalar_type() == ScalarType::Float) {
+        dequantize<T, TQ, float>(q.const_data_ptr<TQ>(), s.const_data_ptr<float>(), w.mutable_data_ptr<T>(), n, k,
+                                 scale_first);
+      } else {
+        dequantize<T, TQ, T>(q.const_data_ptr<TQ>(), s.const_data_ptr<T>(), w.mutable_data_ptr<T>(), n, k,
+                             scale_first);
+      }
     });
   });
   const Tensor x2d = x.reshape({rows, k});
@@ -188,17 +158,13 @@ std::optional<Tensor> dequant_linear(const Tensor& x, const Tensor& weight, cons
   Tensor out = out_dtype == t ? y : empty_output(x, {rows, n}, out_dtype);
   dispatch_float(t, [&](auto tag) {
     using T = decltype(tag);
-    dispatch_pair<T>(s.scalar_type(), [&](auto scale_tag) {
-      using TS = decltype(scale_tag);
-      dispatch_pair<T>(biased ? b.scalar_type() : t, [&](auto bias_tag) {
-        using TB = decltype(bias_tag);
-        dispatch_pair<T>(out_dtype, [&](auto out_tag) {
-          using TO = decltype(out_tag);
-          finish_rows<T, TS, TB, TO>(y.const_data_ptr<T>(), scaled ? s.const_data_ptr<TS>() : nullptr,
-                                     biased ? b.const_data_ptr<TB>() : nullptr, out.mutable_data_ptr<TO>(), rows, n,
-                                     round_product, round_sum);
-        });
-      });
+    dispatch_epilogue<T>(s.scalar_type(), biased ? b.scalar_type() : t, out_dtype, [&](auto ts, auto tb, auto to) {
+      using TS = decltype(ts);
+      using TB = decltype(tb);
+      using TO = decltype(to);
+      finish_rows<T, TS, TB, TO>(y.const_data_ptr<T>(), scaled ? s.const_data_ptr<TS>() : nullptr,
+                                 biased ? b.const_data_ptr<TB>() : nullptr, out.mutable_data_ptr<TO>(), rows, n,
+                                 Epilogue{round_product, round_sum});
     });
   });
   return out.view(sizes);

@@ -9,7 +9,7 @@
 // vectors, float32 stays). The build uses -std=c++17, so no multiply-add is
 // contracted into an FMA (which would round once where eager rounds twice).
 
-#include "common.h"
+#include "quantized.h"
 
 #include <ATen/ops/_int_mm.h>
 
@@ -96,7 +96,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t width, float eps, int8_t* q
 // after the bias (the promoted types), before the output's type TO.
 template <typename T, typename TS, typename TB, typename TO>
 void rescale_rows(const int32_t* acc, const float* scales, const TS* weight_scale, const TB* bias, TO* out,
-                  int64_t rows, int64_t n, bool round_product, bool round_sum) {
+                  int64_t rows, int64_t n, Epilogue rounding) {
   const bool stream = false;
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     alignas(64) std::array<int32_t, kBlock> products;
@@ -113,34 +113,10 @@ void rescale_rows(const int32_t* acc, const float* scales, const TS* weight_scal
         fVec a = fVec::loadu(values.data()) * scale;
         fVec b = fVec::loadu(values.data() + kLanes) * scale;
         round_through<T>(a, b);
-        const auto [sa, sb] = block.load(weight_scale);
-        a = a * sa;
-        b = b * sb;
-        if (round_product) {
-          round_through<T>(a, b);
-        }
-        if (bias != nullptr) {
-          const auto [ba, bb] = block.load(bias);
-          a = a + ba;
-          b = b + bb;
-          if (round_sum) {
-            round_through<T>(a, b);
-          }
-        }
-        block.store(result, a, b);
+        finish_block<T>(block, a, b, weight_scale, bias, result, rounding);
       });
     }
   });
-}
-
-// Calls f(T{}) for T float or x's type ``t`` (the dtype of a scale, bias or output, each one or the other).
-template <typename T, typename F>
-void dispatch_pair(ScalarType t, const F& f) {
-  if (t == ScalarType::Float) {
-    f(float{});
-  } else {
-    f(T{});
-  }
 }
 
 }  // namespace
@@ -149,25 +125,17 @@ std::optional<Tensor> int8_linear(const Tensor& x, const Tensor& weight, const T
                                   const std::optional<Tensor>& bias, double eps, ScalarType out_dtype) {
   const bool biased = bias.has_value() && bias->defined();
   const ScalarType t = x.scalar_type();
-  auto pairs_with_x = [&](ScalarType d) { return d == t || d == ScalarType::Float; };
-  if (!(eps > 0) || !on_cpu(x) || !on_cpu(weight) || !on_cpu(weight_scale) || !is_covered_float(t) || x.dim() < 1 ||
-      weight.scalar_type() != ScalarType::Char || weight.dim() != 2 || weight.size(1) != x.size(-1) ||
-      weight_scale.numel() != weight.size(0) || !pairs_with_x(weight_scale.scalar_type()) ||
-      !pairs_with_x(out_dtype) ||
-      (biased && !(on_cpu(*bias) && pairs_with_x(bias->scalar_type()) && bias->dim() == 1 &&
-                   bias->size(0) == weight.size(0)))) {
-    return std::nullopt;
+  if (!(eps > 0) || weight.scalar_type() != ScalarType::Char ||
+      !covers_layer(x, weight, weight_scale, bias, out_dtype)) {
+    return std::nullopt;  // K == 0 included: the composition's _int_mm says what it makes of it
   }
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   const int64_t width = x.size(-1), n = weight.size(0);
-  const int64_t rows = width > 0 ? x.numel() / width : 0;
+  const int64_t rows = x.numel() / width;
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = n;
-  if (rows == 0 || n == 0 || width == 0) {
-    if (width == 0) {
-      return std::nullopt;  // K == 0: the composition's _int_mm says what it makes of it
-    }
+  if (rows == 0) {
     return empty_output(x, sizes, out_dtype);
   }
   const Tensor xc = x.is_contiguous() ? x : x.contiguous();
@@ -193,17 +161,13 @@ std::optional<Tensor> int8_linear(const Tensor& x, const Tensor& weight, const T
                                               : empty_output(x, sizes, out_dtype);
   dispatch_float(t, [&](auto tag) {
     using T = decltype(tag);
-    dispatch_pair<T>(ws.scalar_type(), [&](auto scale_tag) {
-      using TS = decltype(scale_tag);
-      dispatch_pair<T>(biased ? b.scalar_type() : t, [&](auto bias_tag) {
-        using TB = decltype(bias_tag);
-        dispatch_pair<T>(out_dtype, [&](auto out_tag) {
-          using TO = decltype(out_tag);
-          rescale_rows<T, TS, TB, TO>(accc.const_data_ptr<int32_t>(), scales.const_data_ptr<float>(),
-                                      ws.const_data_ptr<TS>(), biased ? b.const_data_ptr<TB>() : nullptr,
-                                      out.mutable_data_ptr<TO>(), rows, n, round_product, round_sum);
-        });
-      });
+    dispatch_epilogue<T>(ws.scalar_type(), biased ? b.scalar_type() : t, out_dtype, [&](auto ts, auto tb, auto to) {
+      using TS = decltype(ts);
+      using TB = decltype(tb);
+      using TO = decltype(to);
+      rescale_rows<T, TS, TB, TO>(accc.const_data_ptr<int32_t>(), scales.const_data_ptr<float>(),
+                                  ws.const_data_ptr<TS>(), biased ? b.const_data_ptr<TB>() : nullptr,
+                                  out.mutable_data_ptr<TO>(), rows, n, Epilogue{round_product, round_sum});
     });
   });
   return out;

@@ -12,4 +12,5 @@ from .fast_gelu import FAST_GELU
 from .mul_add import MUL_ADD
 from .cat_linear import CAT_LINEAR
 
-__all__ = ["INT8_LINEAR", "DEQUANT_LINEAR", "RMS_NORM", "ROPE", "NORM_ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU", "FAST_GELU", "MUL_ADD", "CAT_LINEAR"]
+__all__ = ["INT8_LINEAR", "DEQUANT_LINEAR", "RMS_NORM", "ROPE", "NORM_ROPE", "ADALAYERNORM", "GLU", "LINEAR_GELU",
+           "FAST_GELU", "MUL_ADD", "CAT_LINEAR"]

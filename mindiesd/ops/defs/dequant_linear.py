@@ -22,11 +22,10 @@ from typing import Optional
 import torch
 
 from .. import registry
-from .._rules import shape_str
+from ._quantized import check_layer
 
 __all__ = ["DEQUANT_LINEAR", "STORAGE_DTYPES", "dequant_linear_rules", "dequantized_weight", "reference"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: The weight storage dtypes the op dequantizes: int8 and every float8 type.
 STORAGE_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
                             torch.float8_e5m2fnuz})
@@ -35,30 +34,9 @@ STORAGE_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, 
 def dequant_linear_rules(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]) -> tuple:
     """Validate dequant_linear inputs; return (output dtype, x's dtype)."""
-    op = "mindiesd.dequant_linear"
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least one dimension")
-    if weight.dtype not in STORAGE_DTYPES or weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be a 2-D int8 or float8 tensor [out_features, in_features], got "
-                         f"{weight.dtype} {shape_str(weight.shape)}")
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"{op}: weight {shape_str(weight.shape)} does not take x's last dimension {x.shape[-1]}")
-    n = weight.shape[0]
-    if weight_scale.dtype not in (x.dtype, torch.float32) or weight_scale.numel() != n:
-        raise ValueError(f"{op}: weight_scale must hold {n} values of x's dtype {x.dtype} or float32, got "
-                         f"{weight_scale.dtype} {shape_str(weight_scale.shape)}")
-    if bias is not None and (bias.dtype not in (x.dtype, torch.float32) or bias.dim() != 1 or bias.shape[0] != n):
-        raise ValueError(f"{op}: bias must be [{n}] of x's dtype {x.dtype} or float32, got {bias.dtype} "
-                         f"{shape_str(bias.shape)}")
+    check_layer("dequant_linear", x, weight, weight_scale, bias, out_dtype, STORAGE_DTYPES, "int8 or float8")
     if out_dtype is None:
         out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
-    if out_dtype not in _DTYPES:
-        raise ValueError(f"{op}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    devices = {t.device for t in (x, weight, weight_scale, bias) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: the tensors must be on one device, got {sorted(map(str, devices))}")
     return out_dtype, x.dtype
 
 

@@ -24,40 +24,19 @@ from typing import Optional
 import torch
 
 from .. import registry
-from .._rules import shape_str
+from ._quantized import check_layer
 
 #: The quantized range and the divisor of the symmetric scale: (127 - (-128)) / 2.
 QMIN, QMAX, HALF_RANGE = -128, 127, 127.5
 #: The scale's floor in torchao's int8 dynamic quantization: float32's machine epsilon.
 DEFAULT_EPS = torch.finfo(torch.float32).eps
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def int8_linear_rules(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]) -> tuple[torch.dtype, torch.dtype]:
+                      bias: Optional[torch.Tensor],
+                      out_dtype: Optional[torch.dtype]) -> tuple[torch.dtype, torch.dtype]:
     """Validate int8_linear inputs; return (output dtype, compute dtype: float32)."""
-    op = "mindiesd.int8_linear"
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least one dimension")
-    if weight.dtype != torch.int8 or weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be a 2-D int8 tensor [out_features, in_features], got {weight.dtype} "
-                         f"{shape_str(weight.shape)}")
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"{op}: weight {shape_str(weight.shape)} does not take x's last dimension {x.shape[-1]}")
-    n = weight.shape[0]
-    if weight_scale.dtype not in (x.dtype, torch.float32) or weight_scale.numel() != n:
-        raise ValueError(f"{op}: weight_scale must hold {n} values of x's dtype {x.dtype} or float32, got "
-                         f"{weight_scale.dtype} {shape_str(weight_scale.shape)}")
-    if bias is not None and (bias.dtype not in (x.dtype, torch.float32) or bias.dim() != 1 or bias.shape[0] != n):
-        raise ValueError(f"{op}: bias must be [{n}] of x's dtype {x.dtype} or float32, got {bias.dtype} "
-                         f"{shape_str(bias.shape)}")
-    if out_dtype is not None and out_dtype not in _DTYPES:
-        raise ValueError(f"{op}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    devices = {t.device for t in (x, weight, weight_scale, bias) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: the tensors must be on one device, got {sorted(map(str, devices))}")
+    check_layer("int8_linear", x, weight, weight_scale, bias, out_dtype, (torch.int8,), "int8")
     summed = torch.promote_types(x.dtype, weight_scale.dtype)
     if bias is not None:
         summed = torch.promote_types(summed, bias.dtype)

@@ -40,8 +40,8 @@ from .cpp_build import (  # noqa: F401  (the build's public names, as before the
     enabled,
     extension,
 )
-from ..defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM,
-                    ROPE)
+from ..defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU, MUL_ADD,
+                    NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
