@@ -22,13 +22,13 @@ from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU
                         MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
-           "GEMM_FAMILIES", "OP_FAMILIES"]
+           "GEMM_FAMILIES", "QUANTIZED_FAMILIES", "OP_FAMILIES"]
 
 #: When a family's pass runs: ``fusion`` on the main graph after freezing (an op replaces an op sequence);
 #: ``freeze`` on the whole aten graph before it is split, so that what the rewrite computes from weights alone
 #: (a concatenated weight) is folded with the rest. A ``freeze`` family needs ``enable_freezing``.
 STAGES = ("freeze", "fusion")
-GROUPS = ("elementwise", "gemm")
+GROUPS = ("elementwise", "gemm", "quantized")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class FusionFamily:
     op: Optional[registry.OpDef]
     stage: str = "fusion"
     #: ``elementwise`` (the ops that replace elementwise and row sequences: the specification's five families,
-    #: norm_rope and glu) or ``gemm`` (rewrites around the matrix products).
+    #: norm_rope and glu), ``gemm`` (rewrites around the matrix products) or ``quantized`` (a quantized linear
+    #: layer as one op).
     group: str = "elementwise"
     #: For a family without an op: device type -> whether the rewrite gains there.
     rewrites: Mapping[str, Rewrite] = field(default_factory=dict)
@@ -118,7 +119,7 @@ FAMILIES: Dict[str, FusionFamily] = {
                 "the per-row quantization of its input, the int8 GEMM and the rescale (and bias) after it, "
                 "bit-exact with the unfused ops.",
             op=INT8_LINEAR,
-            group="gemm",
+            group="quantized",
         ),
         FusionFamily(
             name="dequant_linear",
@@ -126,7 +127,7 @@ FAMILIES: Dict[str, FusionFamily] = {
                 "Float8WeightOnlyConfig): the weight's dequantization, the GEMM and the scale and bias after it, "
                 "with the unfused ops' roundings and no per-call copy of the weight.",
             op=DEQUANT_LINEAR,
-            group="gemm",
+            group="quantized",
         ),
         FusionFamily(
             name="rms_norm",
@@ -188,6 +189,8 @@ FAMILIES: Dict[str, FusionFamily] = {
 SPEC_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "elementwise")
 #: The rewrites around matrix products, in run order.
 GEMM_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "gemm")
+#: The quantized linear layers, in run order.
+QUANTIZED_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "quantized")
 #: The families that emit an op of their own (``torch.ops.mindiesd.<name>``), in run order.
 OP_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.has_op)
 

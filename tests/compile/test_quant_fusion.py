@@ -231,3 +231,30 @@ def test_a_uint8_weight_with_a_zero_point_is_left_alone():
     actual, expected, counts, backend = run_compiled(layer, _x((16, 64), torch.float32), config=ONLY_DEQUANT)
     assert _calls(backend, torch.ops.mindiesd.dequant_linear.default) == 0
     assert torch.equal(actual, expected)
+
+
+class _HeadsThenLinear(nn.Module):
+    """Attention's output as diffusers hands it to ``to_out``: heads moved next to the rows and flattened into
+    the last dimension, then a linear layer (whose input is a view of a tensor with another last dimension)."""
+
+    def __init__(self, dtype, config):
+        super().__init__()
+        torch.manual_seed(0)
+        self.out = nn.Linear(64, 48).to(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantization.quantize_(self.out, getattr(quantization, config)())
+
+    def forward(self, heads):  # [batch, heads, rows, head_dim]
+        return self.out(heads.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("config,family", [("Int8DynamicActivationInt8WeightConfig", "int8_linear"),
+                                           ("Int8WeightOnlyConfig", "dequant_linear"),
+                                           ("Float8WeightOnlyConfig", "dequant_linear")])
+def test_a_layer_over_flattened_heads_fuses(config, family):
+    only = CompilationConfig(strict=True, fusion_patterns={f"enable_{f}": f == family for f in FAMILIES})
+    actual, expected, counts, backend = run_compiled(_HeadsThenLinear(torch.float32, config),
+                                                     _x((2, 4, 8, 16), torch.float32), config=only)
+    assert backend.report().matches[family] == 1
+    assert torch.equal(actual, expected)

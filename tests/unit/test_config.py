@@ -201,8 +201,8 @@ def test_switches_and_passes_come_from_the_family_registry():
     assert list(families.FAMILIES) == list(PASSES) == list(FAMILY_SWITCHES)
     assert list(registry.SCHEMAS) == list(families.OP_FAMILIES) == [n for n in families.FAMILIES if n != "merge_projections"]
     assert [families.FAMILIES[n].switch for n in families.SPEC_FAMILIES] == SPEC_SWITCHES
-    assert families.GEMM_FAMILIES == ("merge_projections", "int8_linear", "dequant_linear", "linear_gelu",
-                                      "cat_linear")
+    assert families.GEMM_FAMILIES == ("merge_projections", "linear_gelu", "cat_linear")
+    assert families.QUANTIZED_FAMILIES == ("int8_linear", "dequant_linear")
     settings = {name: (default, doc) for name, default, doc in CompilationConfig.settings()}
     for name, fam in families.FAMILIES.items():
         assert PASSES[name].family == name

@@ -22,7 +22,7 @@ from ...ops.defs.dequant_linear import STORAGE_DTYPES
 from ..fx_utils import is_call, tensor_val
 from ..matcher import CAST_OPS, Match
 from .base import FusionPass, Rule
-from .int8_linear import _VIEWS, QuantizedLayer, _cast_to, _operands, _views, check_layer
+from .int8_linear import _VIEWS, QuantizedLayer, _cast_to, _operands, _rows_of, _views, check_layer
 
 aten = torch.ops.aten
 
@@ -110,7 +110,8 @@ class WeightOnlyLinear(QuantizedLayer):
             m.shared.append(weight.args[0])
             m.bindings.update(w=q, dequantized=weight)
         row_views: List[Node] = []
-        x = _views(rows, row_views)
+        stored = tensor_val(m["w"])
+        x = _rows_of(rows, stored.shape[1], row_views) if stored is not None and stored.dim() == 2 else rows
         m.shared.extend(row_views)
         m.bindings.update(x=x, rows=rows)
         return True

@@ -57,6 +57,28 @@ def _views(value: Any, seen: List[Node]) -> Any:
     return value
 
 
+def _rows_of(value: Any, width: Any, seen: List[Node]) -> Any:
+    """``value`` under the views that keep its last dimension ``width`` (appended to ``seen``): the tensor whose
+    rows the layer reads. A view that regroups the last dimension (heads flattened into it) is where it stops."""
+    while is_call(value, *_VIEWS):
+        inner = tensor_val(value.args[0])
+        if inner is None or inner.dim() < 1 or inner.shape[-1] != width:
+            break
+        seen.append(value)
+        value = value.args[0]
+    return value
+
+
+def _same_rows(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one value: the same node, or two views of one tensor to one shape."""
+    if a is b:
+        return True
+    if not (is_call(a, *_VIEWS) and is_call(b, *_VIEWS)) or a.args[0] is not b.args[0]:
+        return False
+    va, vb = tensor_val(a), tensor_val(b)
+    return va is not None and vb is not None and tuple(va.shape) == tuple(vb.shape)
+
+
 def _literal(value: Any, target: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == target
 
@@ -161,6 +183,10 @@ class DynamicInt8Linear(QuantizedLayer):
             w = wt.args[0]
         else:
             return False
+        weight = tensor_val(w)
+        if weight is None or weight.dim() != 2:
+            return False
+        width = weight.shape[1]
         q_views: List[Node] = []
         q = _views(q, q_views)
         if _cast_to(q) != torch.int8:
@@ -193,8 +219,8 @@ class DynamicInt8Linear(QuantizedLayer):
             if not is_call(inv, aten.reciprocal.default) or _views(inv.args[0], seen) is not scale:
                 continue
             x_views: List[Node] = []
-            x = _views(xv, x_views)
-            if not self._row_scale(scale, x, m):
+            x = _rows_of(xv, width, x_views)
+            if not self._row_scale(scale, x, width, m):
                 continue
             m.shared.extend([*q_views, q, clamped, *zero, rounded, scaled, *seen, inv, *x_views, wt])
             m.bindings.update(x=x, x_view=xv, w=w, q=q_views[0] if q_views else q)
@@ -214,7 +240,7 @@ class DynamicInt8Linear(QuantizedLayer):
         seen.extend([*local, zp, full])
         return True
 
-    def _row_scale(self, scale: Any, x: Any, m: Match) -> bool:
+    def _row_scale(self, scale: Any, x: Any, width: Any, m: Match) -> bool:
         """``scale`` = float32(clamp(max(-min(amin(x), 0), max(amax(x), 0)) / 127.5, eps)), x under views."""
         seen: List[Node] = []
         node = scale
@@ -238,7 +264,7 @@ class DynamicInt8Linear(QuantizedLayer):
                     and is_call(high, aten.maximum.default)):
                 continue
             low = negated.args[0]
-            lo, hi = self._bound(low, aten.amin.default, x), self._bound(high, aten.amax.default, x)
+            lo, hi = self._bound(low, aten.amin.default, x, width), self._bound(high, aten.amax.default, x, width)
             if lo is None or hi is None:
                 continue
             m.shared.extend([*seen, node, divided, peak, negated, low, high, *lo, *hi])
@@ -247,7 +273,7 @@ class DynamicInt8Linear(QuantizedLayer):
         return False
 
     @staticmethod
-    def _bound(node: Node, reduction: Any, x: Any) -> Optional[List[Node]]:
+    def _bound(node: Node, reduction: Any, x: Any, width: Any) -> Optional[List[Node]]:
         """The nodes of ``minimum(amin(x), zeros_like(·))`` (or maximum/amax), or None. The zeros may be made
         like any tensor of the reduction's shape (a graph that computes the reduction twice)."""
         for reduced, zeros in _operands(node):
@@ -261,7 +287,7 @@ class DynamicInt8Linear(QuantizedLayer):
             if len(reduced.args) != 3 or reduced.args[2] is not True or reduced.kwargs:
                 continue
             seen: List[Node] = [reduced, zeros]
-            if _views(reduced.args[0], seen) is not x:
+            if not _same_rows(_rows_of(reduced.args[0], width, seen), x):
                 continue
             return seen
         return None
