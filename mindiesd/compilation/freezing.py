@@ -4,9 +4,9 @@ The aten graph is split in two: a *fold* graph that computes, from the weights a
 graph needs (a transposed or upcast weight, RoPE frequency tables built from buffers, ``arange`` tables...),
 and a *main* graph that takes those folded values as inputs in place of the weights they came from. What can be
 folded is :func:`~mindiesd.compilation.fx_utils.foldable_nodes`, the definition the freeze-stage rewrites use too.
-Quantized weights are never folded into a full-precision copy: a tensor-subclass weight (torchao's), which aot
-passes as its inner tensors, is no constant here (:func:`weight_placeholders`), and a weight packed in int8 or float8
-is folded only into values no larger than itself.
+Quantized weights are never folded into a full-precision copy: a weight packed in int8 or float8 is folded only into
+values no larger than itself (its column sums, its scales in x's dtype), whether it is a plain tensor or an inner
+tensor of a tensor-subclass weight (torchao's), which aot passes as its parts (:func:`weight_placeholders`).
 
 Folded values are computed on the first call and cached per set of weights. The cache is keyed on the identity
 of the weight tensors and checked against their storage pointer and version counter on every call, so one
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .fx_utils import foldable_nodes, input_passed, is_call, placeholders, tensor_val, writes_in_place
+from .fx_utils import FOLDED_FROM, foldable_nodes, input_source, is_call, placeholders, tensor_val, writes_in_place
 
 log = logging.getLogger("mindiesd.compilation")
 
@@ -81,18 +81,18 @@ def _mutated_placeholders(gm: GraphModule) -> Set[Node]:
 
 
 def weight_placeholders(gm: GraphModule, weights: Sequence[int]) -> Set[Node]:
-    """The placeholders of ``gm`` that are the weights at ``weights`` (indices of the inputs Dynamo passes) as they
-    are.
+    """The placeholders of ``gm`` that are the weights at ``weights`` (indices of the inputs Dynamo passes), or
+    parts of them.
 
     aot passes a tensor-subclass weight (a quantized weight: torchao's ``Int8Tensor``, ``Float8Tensor``) as its
     inner tensors, so the placeholders no longer line up with the inputs; they are matched through aot's record of
-    each placeholder's input. The inner tensors are not weights here: what is computed from them alone is the
-    dequantized weight, and folding it would keep a full-precision copy beside the quantized one."""
+    each placeholder's input. What is computed from packed inner tensors alone is folded only where it is no larger
+    than they are (:func:`~mindiesd.compilation.fx_utils.foldable_nodes`): never the dequantized weight."""
     inputs = placeholders(gm.graph)
     wanted = set(weights)
     if not any("desc" in p.meta for p in inputs):  # no record: one placeholder per input
         return {inputs[i] for i in wanted if i < len(inputs)}
-    return {p for p in inputs if input_passed(p) in wanted}
+    return {p for p in inputs if (source := input_source(p)) is not None and source[0] in wanted}
 
 
 def constant_inputs(gm: GraphModule, weights: Sequence[int]) -> Set[Node]:
@@ -141,7 +141,7 @@ def split_constants(gm: GraphModule, weights: Sequence[int]) -> Optional["Frozen
     main_env: Dict[Node, Node] = {}
     for node in frontier:
         main_env[node] = main_graph.placeholder(f"folded_{node.name}")
-        main_env[node].meta = dict(node.meta)
+        main_env[node].meta = {**node.meta, FOLDED_FROM: env[node]}
     main_inputs: List[int] = []
     for i, p in enumerate(inputs):
         if p in static and all(u in constant for u in p.users):
@@ -159,7 +159,7 @@ def split_constants(gm: GraphModule, weights: Sequence[int]) -> Optional["Frozen
     main_graph.eliminate_dead_code()
     main_gm = GraphModule(gm, main_graph)
     recorded = any("desc" in p.meta for p in inputs)
-    sources = [input_passed(inputs[i]) if recorded else i for i in fold_inputs]
+    sources = [input_source(inputs[i]) if recorded else (i, ()) for i in fold_inputs]
     return FrozenGraph(fold_gm, main_gm, fold_inputs, main_inputs, n_folded=len(frontier), fold_sources=sources)
 
 
@@ -300,12 +300,13 @@ class FrozenGraph:
     """
 
     def __init__(self, fold: GraphModule, main: GraphModule, fold_inputs: List[int], main_inputs: List[int],
-                 n_folded: int, fold_sources: Optional[List[int]] = None):
+                 n_folded: int, fold_sources: Optional[List[Tuple[int, Tuple[str, ...]]]] = None):
         self.fold, self.main = fold, main
         self.fold_inputs, self.main_inputs, self.n_folded = fold_inputs, main_inputs, n_folded
-        #: The index of each fold input among the inputs Dynamo passes (they differ from ``fold_inputs``, indices of
-        #: aot's inputs, where an input before it is a tensor subclass that aot passes as its inner tensors).
-        self.fold_sources = list(fold_inputs if fold_sources is None else fold_sources)
+        #: Where each fold input lies among the inputs Dynamo passes: (index, attributes read from that input). They
+        #: differ from ``fold_inputs``, indices of aot's inputs, where aot passes a tensor-subclass input as its
+        #: inner tensors (a quantized weight's ``qdata`` is ``(i, ("qdata",))``).
+        self.fold_sources = [(i, ()) for i in fold_inputs] if fold_sources is None else list(fold_sources)
         #: Folded outputs that concatenate whole weights: (output index, positions of those weights in the
         #: fold's inputs), see the module doc.
         self.concatenations = _concatenations(fold)
@@ -325,7 +326,13 @@ class FrozenGraph:
 
     def folded_for_inputs(self, inputs: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
         """:meth:`folded_for` from the inputs Dynamo passes (what a device-graph capture of the call sees)."""
-        return self._folded([inputs[i] for i in self.fold_sources])
+        weights = []
+        for index, attrs in self.fold_sources:
+            value = inputs[index]
+            for attr in attrs:
+                value = getattr(value, attr)
+            weights.append(value)
+        return self._folded(weights)
 
     def _folded(self, weights: List[Any]) -> Tuple[torch.Tensor, ...]:
         key = tuple(map(id, weights))

@@ -8,7 +8,7 @@ add guards after tracing: what cannot be proven equal counts as different.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch._guards import detect_fake_mode
@@ -24,7 +24,8 @@ except ImportError:  # pragma: no cover - a torch without aot's input records: o
     _PlainInput = _SubclassPart = None
 
 __all__ = [
-    "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "input_passed", "subclass_parts",
+    "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "input_source",
+    "FOLDED_FROM", "unfolded", "same_input", "subclass_parts",
     "known_eq", "same_shape", "same_layout", "foldable_nodes", "is_packed", "fake_call", "Emitter", "erase_unused",
     "drop_copies", "MAX_EXPANDED_NUMEL",
 ]
@@ -69,12 +70,31 @@ def placeholders(graph: Graph) -> List[Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
-def input_passed(placeholder: Node) -> Optional[int]:
-    """The index of the Dynamo graph input that an aot graph's ``placeholder`` passes as it is, from aot's record
-    of where each placeholder comes from (its ``desc``); None for a part of an input (an inner tensor of a tensor
-    subclass, its sizes), for what aot adds itself, and where aot recorded nothing."""
-    desc = placeholder.meta.get("desc")
-    return desc.idx if _PlainInput is not None and type(desc) is _PlainInput else None
+def input_source(placeholder: Node) -> Optional[Tuple[int, Tuple[str, ...]]]:
+    """(the index of the Dynamo graph input an aot graph's ``placeholder`` comes from, the attributes read from it:
+    empty for the input as it is, ``("qdata",)`` for an inner tensor of a tensor subclass), from aot's record; None
+    for what aot adds itself (sizes included) and where aot recorded nothing."""
+    desc, attrs = placeholder.meta.get("desc"), ()
+    while _SubclassPart is not None and type(desc) is _SubclassPart:
+        desc, attrs = desc.base, (desc.attr, *attrs)
+    return (desc.idx, attrs) if _PlainInput is not None and type(desc) is _PlainInput else None
+
+
+#: The meta key of a main graph's placeholder for a folded value: the fold graph's node that computes it.
+FOLDED_FROM = "mindiesd_folded_from"
+
+
+def unfolded(node: Any) -> Any:
+    """The expression a folded value stands for (a node of the fold graph, whose placeholders have the names of the
+    weights they are), else ``node`` itself: what a pass checks where a value may have been folded."""
+    return node.meta.get(FOLDED_FROM, node) if isinstance(node, Node) and node.op == "placeholder" else node
+
+
+def same_input(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one value: the same node, or placeholders of one input in the main and fold
+    graphs of a split (which keep the input's name)."""
+    return a is b or (isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "placeholder"
+                      and a.name == b.name)
 
 
 def subclass_parts(graph: Graph) -> Set[Node]:

@@ -5,7 +5,9 @@ sizes; forms with other arithmetic (a zero point, another range) are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -68,6 +70,67 @@ def test_with_every_family_on_the_block_fuses_and_stays_within_quantization_erro
     assert actual.dtype == expected.dtype
     error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
     assert error < 3e-2
+
+
+#: torchao's int8 x int8 product by processor (torchao/kernel/intmm.py, _int_scaled_matmul_cpu), as its capability
+#: checks report (AMX tiles, VNNI): each traced on this machine whatever its own processor has.
+CPUS = {"amx": (True, True), "vnni_no_amx": (False, True), "neither": (False, False)}
+
+
+@contextlib.contextmanager
+def _processor(amx: bool, vnni: bool):
+    intmm = pytest.importorskip("torchao.kernel.intmm")
+    with mock.patch.object(intmm, "_cpu_is_amx_tile_supported", lambda: amx), \
+            mock.patch.object(intmm, "_cpu_is_vnni_supported", lambda: vnni):
+        yield
+
+
+def _unsigned_form_traced() -> bool:
+    """Whether torchao shifts to uint8 where VNNI has no AMX beside it (from torch 2.12 on)."""
+    from torchao.utils import torch_version_at_least
+
+    return torch_version_at_least("2.12.0.dev")
+
+
+@pytest.mark.parametrize("freezing", [True, False], ids=["frozen", "unfrozen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("cpu", CPUS)
+def test_every_processors_form_is_one_op_and_eagers_bit_for_bit(cpu, dtype, freezing):
+    """The signed form (AMX, or no VNNI) and the uint8 form with its column-sum compensation (VNNI without AMX)
+    both fuse; the compensation is folded with the weights when frozen (no per-call sum), read as computed when
+    not, and the output is eager's under the same processor's form."""
+    unsigned = cpu == "vnni_no_amx" and _unsigned_form_traced()
+    config = CompilationConfig(strict=True, enable_freezing=freezing,
+                               fusion_patterns={f"enable_{f}": f == "int8_linear" for f in FAMILIES})
+    with _processor(*CPUS[cpu]):
+        actual, expected, counts, backend = run_compiled(_mlp(dtype), _x((2, 8, 64), dtype), config=config)
+    assert _calls(backend) == 2 and backend.report().matches["int8_linear"] == 2
+    assert _calls(backend, torch.ops.aten._int_mm.default) == 0 and _calls(backend, torch.ops.aten.sub.Tensor) == 0
+    compensations = [node.args[4] for gm in backend.graphs for node in gm.graph.nodes
+                     if node.target is torch.ops.mindiesd.int8_linear.default]
+    if unsigned:
+        assert all(c is not None for c in compensations)
+        summed = _calls(backend, torch.ops.aten.sum.dim_IntList)
+        assert summed == (0 if freezing else 2), "the column sums are folded when frozen, computed when not"
+    else:
+        assert compensations == [None, None]
+    assert torch.equal(actual, expected)
+
+
+def test_a_uint8_product_less_something_else_is_left_alone():
+    """_int_mm(q + 128 as uint8, t(w)) less a value that is not 128 times w's column sums: not torchao's
+    arithmetic, left unfused and exact."""
+    w, ws, b = _weights()
+
+    def layer(x, other):
+        q, scale = _quantize_rows(x)
+        shifted = (q.view(-1, 64).to(torch.int32) + 128).to(torch.uint8)
+        acc = torch._int_mm(shifted, w.t()) - other
+        return (acc.to(torch.float32) * scale.view(-1, 1)) * ws.view(-1) + b
+
+    other = w.t().sum(0, keepdim=True, dtype=torch.int32) * 127
+    actual, expected, counts, backend = run_compiled(layer, _x((16, 64), torch.float32), other, config=ONLY_INT8)
+    assert _calls(backend) == 0 and torch.equal(actual, expected)
 
 
 def test_the_switch_turns_it_off():

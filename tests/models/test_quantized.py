@@ -135,8 +135,11 @@ def test_quantized_tiny_flux_fuses_every_site_and_matches_eager(config, dtype):
     assert run.graphs == 1
     assert run.fused == case.expected(), "the families fused without quantization"
     assert {f for f, n in run.fused.items() if n} == {"norm_rope", "adalayernorm", "fast_gelu", "mul_add"}
-    assert run.folded == [FLUX_FOLDED], "the frequency tables are folded; no quantized weight is"
     layers = sum(isinstance(m, torch.nn.Linear) for m in case.model.modules())
+    # the frequency tables are folded, and at most one small value per layer (its scales in x's dtype, its column
+    # sums); a dequantized weight is not (each layer's op reads its packed weight)
+    (folded,) = run.folded
+    assert FLUX_FOLDED <= folded <= FLUX_FOLDED + layers, run.folded
     op = "int8_linear" if config == "int8_dynamic" else "dequant_linear"
     assert run.quantized == {"int8_linear": 0, "dequant_linear": 0, op: layers}, "every linear layer is one op"
     _assert_weights_stay_quantized(case, config)

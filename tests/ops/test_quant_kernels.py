@@ -50,7 +50,7 @@ def test_reference_is_torchao_eager_bit_for_bit(dtype, bias):
     with torch.no_grad():
         expected = layer(x)
         weight = layer.weight
-        actual = reference.int8_linear(x, weight.qdata, weight.scale, layer.bias, DEFAULT_EPS, dtype)
+        actual = reference.int8_linear(x, weight.qdata, weight.scale, layer.bias, None, DEFAULT_EPS, dtype)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert torch.equal(actual, expected)
 
@@ -72,13 +72,64 @@ COMBINATIONS = [
 def test_cpp_kernel_is_bit_exact_with_the_reference(cpp, combination, shape):
     dtype, scale_dtype, bias_dtype, out_dtype = combination
     x, w, ws, b = _case(shape, dtype=dtype, scale_dtype=scale_dtype, bias_dtype=bias_dtype)
-    expected = reference.int8_linear(x, w, ws, b, DEFAULT_EPS, out_dtype)
-    raw = cpp.int8_linear(x, w, ws, b, DEFAULT_EPS, expected.dtype)
+    expected = reference.int8_linear(x, w, ws, b, None, DEFAULT_EPS, out_dtype)
+    raw = cpp.int8_linear(x, w, ws, b, None, DEFAULT_EPS, expected.dtype)
     assert raw is not None, "the C++ kernel declined a covered form"
     assert raw.dtype == expected.dtype and raw.shape == expected.shape and raw.is_contiguous()
     assert torch.equal(raw, expected)
-    dispatched = OP(x, w, ws, b, DEFAULT_EPS, out_dtype)  # through the registered op and its layout adapter
+    dispatched = OP(x, w, ws, b, None, DEFAULT_EPS, out_dtype)  # through the registered op and its layout adapter
     assert torch.equal(dispatched, expected)
+
+
+@pytest.fixture
+def int8_gemm(cpp):
+    """Sets the C++ int8_linear's integer product for one test (each CPU's choice, on any CPU), then auto again."""
+    yield cpp.set_int8_gemm
+    cpp.set_int8_gemm("auto")
+
+
+def _large_sums(rows, k, seed=4):
+    """Rows whose int8 values are all 127 against weights of 100-127: every sum of products is about 2^25, beyond
+    float32's exact integers, unless the float32 product sums blocks of at most 1024 columns."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.full((rows, k), 3.0)
+    w = torch.randint(100, 128, (40, k), generator=g, dtype=torch.int8)
+    return x, w, torch.rand(40, 1, generator=g) * 0.01 + 1e-4, torch.randn(40, generator=g)
+
+
+@pytest.mark.parametrize("compensated", [False, True], ids=["signed_graph", "uint8_graph"])
+@pytest.mark.parametrize("form", ["signed", "unsigned", "float", "dot"])
+def test_every_integer_product_is_bit_exact(cpp, int8_gemm, form, compensated):
+    """Each CPU's product (AMX: int8 x int8; VNNI: uint8 x int8 less the compensation; neither: float32 GEMMs, or
+    a direct dot product for a few rows) forced on this one: each is torchao's result bit for bit, with and
+    without the compensation a uint8 graph hands over, and beyond 1024 columns."""
+    int8_gemm(form)
+    cases = [_case((3, 7, 96), dtype=torch.bfloat16, scale_dtype=torch.float32, bias_dtype=torch.bfloat16),
+             _case((9, 200)), _large_sums(6, 2100), _large_sums(2, 1500)]
+    for x, w, ws, b in cases:
+        compensation = w.sum(1, dtype=torch.int32) * 128 if compensated else None
+        rows = x.numel() // x.shape[-1]
+        assert cpp.int8_gemm(rows, compensated) == form
+        expected = reference.int8_linear(x, w, ws, b, None, DEFAULT_EPS)
+        assert torch.equal(cpp.int8_linear(x, w, ws, b, compensation, DEFAULT_EPS, expected.dtype), expected)
+        assert torch.equal(OP(x, w, ws, b, compensation, DEFAULT_EPS), expected)
+    x, w, ws, b = _large_sums(6, 2100)
+    unblocked = (x * 127 / 3).float() @ w.float().t()  # what one float32 GEMM over all columns makes of it
+    assert not torch.equal(unblocked, (torch.full((6, 2100), 127, dtype=torch.int32) @ w.int().t()).float()), \
+        "the large case does not exercise the blocks"
+
+
+def test_the_product_follows_the_cpu(cpp, int8_gemm):
+    """auto: int8 x int8 with AMX tiles; with VNNI, uint8 x int8 where the graph has the compensation; neither:
+    float32 (a direct dot product up to 4 rows)."""
+    amx, vnni = torch.cpu._is_amx_tile_supported(), torch.cpu._is_vnni_supported()
+    int8_gemm("auto")
+    for rows, compensated in [(1, False), (64, False), (64, True)]:
+        expected = ("signed" if amx or (vnni and not compensated) else "unsigned" if vnni
+                    else "dot" if rows <= 4 else "float")
+        assert cpp.int8_gemm(rows, compensated) == expected
+    with pytest.raises(RuntimeError, match="int8 GEMM must be auto, signed"):
+        int8_gemm("int4")
 
 
 def test_strided_input_and_another_eps(cpp):
@@ -86,8 +137,8 @@ def test_strided_input_and_another_eps(cpp):
     strided = x.t().contiguous().t()[:, :64]  # column-major, and a slice of it
     w = w[:, :64].contiguous()
     for eps in (DEFAULT_EPS, 0.5):  # 0.5 floors most row scales here: the clamp matters
-        expected = reference.int8_linear(strided, w, ws, b, eps)
-        assert torch.equal(cpp.int8_linear(strided, w, ws, b, eps, torch.float32), expected)
+        expected = reference.int8_linear(strided, w, ws, b, None, eps)
+        assert torch.equal(cpp.int8_linear(strided, w, ws, b, None, eps, torch.float32), expected)
 
 
 def test_zero_rows_and_nan_rows(cpp):
@@ -95,19 +146,19 @@ def test_zero_rows_and_nan_rows(cpp):
     x[1, 3] = float("nan")
     x[2] = 0.0
     expected = reference.int8_linear(x, w, ws, b)
-    actual = cpp.int8_linear(x, w, ws, b, DEFAULT_EPS, torch.float32)
+    actual = cpp.int8_linear(x, w, ws, b, None, DEFAULT_EPS, torch.float32)
     assert torch.equal(actual[[0, 2, 3]], expected[[0, 2, 3]])  # an all-zero row: the eps floor, exact zeros
     assert actual[1].isnan().all() and expected[1].isnan().all()  # a NaN in a row: the whole row is NaN
 
 
 def test_forms_the_cpp_kernel_leaves_to_the_composition(cpp):
     x, w, ws, b = _case((4, 64), dtype=torch.bfloat16)
-    assert cpp.int8_linear(x, w, ws, b, DEFAULT_EPS, torch.float16) is None  # an output of a third dtype
-    assert cpp.int8_linear(x, w, ws.half(), b, DEFAULT_EPS, torch.bfloat16) is None  # a scale of a third dtype
+    assert cpp.int8_linear(x, w, ws, b, None, DEFAULT_EPS, torch.float16) is None  # an output of a third dtype
+    assert cpp.int8_linear(x, w, ws.half(), b, None, DEFAULT_EPS, torch.bfloat16) is None  # a scale of a third dtype
     # the registered op still answers them, through the composition
-    expected = reference.int8_linear(x, w, ws, b, DEFAULT_EPS, torch.float16)
-    assert torch.equal(OP(x, w, ws, b, DEFAULT_EPS, torch.float16), expected)
-    assert torch.equal(_cpu.KERNELS["int8_linear"](x, w, ws, b, DEFAULT_EPS, torch.float16), expected)
+    expected = reference.int8_linear(x, w, ws, b, None, DEFAULT_EPS, torch.float16)
+    assert torch.equal(OP(x, w, ws, b, None, DEFAULT_EPS, torch.float16), expected)
+    assert torch.equal(_cpu.KERNELS["int8_linear"](x, w, ws, b, None, DEFAULT_EPS, torch.float16), expected)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -117,12 +168,13 @@ def test_forms_the_cpp_kernel_leaves_to_the_composition(cpp):
     (lambda a: {**a, "weight_scale": a["weight_scale"][:5]}, "weight_scale must hold 48 values"),
     (lambda a: {**a, "weight_scale": a["weight_scale"].half()}, "weight_scale must hold 48 values"),
     (lambda a: {**a, "bias": a["bias"][:5]}, r"bias must be \[48\]"),
+    (lambda a: {**a, "compensation": a["weight"].sum(1)}, "compensation must be None or 48 int32 values"),
     (lambda a: {**a, "eps": 0.0}, "eps must be positive"),
     (lambda a: {**a, "out_dtype": torch.int32}, "out_dtype must be float32, bfloat16 or float16"),
-], ids=["float64-x", "float-weight", "width", "scale-count", "scale-dtype", "bias", "eps", "out-dtype"])
+], ids=["float64-x", "float-weight", "width", "scale-count", "scale-dtype", "bias", "compensation", "eps", "out-dtype"])
 def test_bad_arguments_are_named(change, message):
     x, w, ws, b = _case((4, 64), bias_dtype=torch.float32)
-    args = change(dict(x=x, weight=w, weight_scale=ws, bias=b, eps=DEFAULT_EPS, out_dtype=None))
+    args = change(dict(x=x, weight=w, weight_scale=ws, bias=b, compensation=None, eps=DEFAULT_EPS, out_dtype=None))
     with pytest.raises(ValueError, match=message):
         OP(*args.values())
     with pytest.raises(ValueError, match=message):

@@ -22,20 +22,11 @@ from ...ops.defs.dequant_linear import STORAGE_DTYPES
 from ..fx_utils import is_call, tensor_val
 from ..matcher import CAST_OPS, Match
 from .base import FusionPass, Rule
-from .int8_linear import _VIEWS, QuantizedLayer, _cast_to, _operands, _rows_of, _views, check_layer
+from .int8_linear import _VIEWS, QuantizedLayer, _cast_to, _operands, _rows_of, _transposed, _views, check_layer
 
 aten = torch.ops.aten
 
 __all__ = ["DequantLinearPass", "WeightOnlyLinear"]
-
-def _transposed(node: Any) -> Optional[Node]:
-    """The matrix under ``t(·)`` or a 2-D ``permute(·, [1, 0])``, or None."""
-    if is_call(node, aten.t.default):
-        return node.args[0]
-    if is_call(node, aten.permute.default) and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
-        return node.args[0]
-    return None
-
 
 class WeightOnlyLinear(QuantizedLayer):
     """A weight-only quantized linear layer, from its output up to x (see the module doc).

@@ -5,7 +5,10 @@ scale of x (``amin``, ``amax``, ``minimum``/``maximum`` with zeros, ``neg``, ``d
 for 16-bit x, a cast to float32), its quantization (``reciprocal``, ``mul``, ``round``, ``add`` of the int8 zero
 point, ``clamp`` to [-128, 127], cast to int8), ``_int_mm`` with the transposed int8 weight, and the rescale
 (cast to float32, ``mul`` by the row scale, cast to x's type, ``mul`` by the weight scale, ``add`` of the bias and a
-final cast), with views between them. The fused op does the same arithmetic with the same roundings
+final cast), with views between them. The product takes one of two forms by CPU (torchao's
+``_int_scaled_matmul_cpu``): int8 x int8 (with AMX tiles, or without VNNI), or, on CPUs with VNNI but no AMX, q
+shifted to uint8 (``uint8(int32(q) + 128)``) times the weight less the compensation ``128 * sum(t(w), 0)``, which
+the fused op takes (the two products are the same integers; the kernel picks its CPU's fastest). The fused op does the same arithmetic with the same roundings
 (``mindiesd/ops/defs/int8_linear.py``), so its output is bit-exact with the unfused graph's.
 
 The match starts at the layer's output and walks up through the views: the nodes from the integer GEMM to the
@@ -23,7 +26,7 @@ import torch
 from torch.fx import Node
 
 from ...ops.defs._quantized import X_DTYPES
-from ..fx_utils import is_call, tensor_val
+from ..fx_utils import is_call, same_input, tensor_val, unfolded
 from ..matcher import CAST_OPS, Match, Pattern
 from .base import FusionPass, Rule, last_dim_index
 
@@ -79,6 +82,70 @@ def _same_rows(a: Any, b: Any) -> bool:
     return va is not None and vb is not None and tuple(va.shape) == tuple(vb.shape)
 
 
+def _transposed(node: Any) -> Optional[Node]:
+    """The matrix under ``t(·)`` or a 2-D ``permute(·, [1, 0])``, or None."""
+    if is_call(node, aten.t.default):
+        return node.args[0]
+    if is_call(node, aten.permute.default) and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
+        return node.args[0]
+    return None
+
+
+def _integer_product(node: Any) -> Tuple[Optional[Node], Optional[Node]]:
+    """(the ``_int_mm``, the compensation subtracted from it or None) of torchao's two CPU forms of the int32
+    product: ``_int_mm(q, t(w))`` (int8 x int8), or ``_int_mm(q + 128 as uint8, t(w)) - compensation`` (uint8 x
+    int8, on CPUs with VNNI but no AMX); (None, None) for anything else."""
+    if is_call(node, aten._int_mm.default):
+        return node, None
+    if (is_call(node, aten.sub.Tensor) and len(node.args) == 2 and not node.kwargs
+            and is_call(node.args[0], aten._int_mm.default) and isinstance(node.args[1], Node)):
+        return node.args[0], node.args[1]
+    return None, None
+
+
+def _unsigned_shift(node: Any) -> Optional[List[Node]]:
+    """The nodes of ``uint8(int32(q) + 128)`` from the outside in (the last one's argument is q), or None."""
+    if _cast_to(node) != torch.uint8:
+        return None
+    shifted = node.args[0]
+    if not (is_call(shifted, aten.add.Tensor) and len(shifted.args) == 2 and not shifted.kwargs
+            and _literal(shifted.args[1], 128)):
+        return None
+    widened = shifted.args[0]
+    if _cast_to(widened) != torch.int32:
+        return None
+    return [node, shifted, widened]
+
+
+def _is_compensation(node: Any, w: Node, m: Match) -> bool:
+    """Whether ``node`` is ``sum(t(w), 0, dtype=int32) * 128`` (under views), computed here or folded at freeze
+    time: what the uint8 product of w over-counts per output column. Its nodes are read, not claimed."""
+    seen: List[Node] = []
+    node = _views(node, seen)
+    if node.op == "placeholder":  # folded at freeze time: check what it was computed from
+        seen.append(node)
+        node = _views(unfolded(node), [])
+    if not (is_call(node, aten.mul.Tensor) and len(node.args) == 2 and not node.kwargs):
+        return False
+    for summed, factor in _operands(node):
+        if not _literal(factor, 128):
+            continue
+        summed_views: List[Node] = []
+        summed = _views(summed, summed_views)
+        if not (is_call(summed, aten.sum.dim_IntList) and summed.kwargs.get("dtype") == torch.int32
+                and set(summed.kwargs) <= {"dtype"} and same_input(_transposed(summed.args[0]), w)):
+            continue
+        dims = list(summed.args[1]) if len(summed.args) > 1 and summed.args[1] is not None else None
+        if dims not in ([0], [-2]):
+            continue
+        if seen and seen[-1].op == "placeholder":  # the fold graph's nodes are not this graph's
+            m.shared.extend(seen)
+        else:
+            m.shared.extend([*seen, node, *summed_views, summed, summed.args[0]])
+        return True
+    return False
+
+
 def _literal(value: Any, target: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == target
 
@@ -129,7 +196,7 @@ class DynamicInt8Linear(QuantizedLayer):
     """A linear layer of torchao's int8 dynamic quantization, from its output up to x (see the module doc).
 
     Binds ``x``, ``w`` (int8 ``[N, K]``), ``ws`` (the weight scale), ``bias`` (or None), ``eps``, ``scale`` (the
-    float32 row-scale node) and ``product`` (the ``_int_mm``)."""
+    float32 row-scale node), ``product`` (the ``_int_mm``) and ``compensation`` (the uint8 form's, or None)."""
 
     body_name = "the rescaled integer product"
 
@@ -159,14 +226,18 @@ class DynamicInt8Linear(QuantizedLayer):
             if not is_call(inner, aten.mul.Tensor) or inner.kwargs:
                 continue
             for acc, scale in _operands(inner):
-                if _cast_to(acc) != torch.float32 or not is_call(acc.args[0], aten._int_mm.default):
+                if _cast_to(acc) != torch.float32:
                     continue
-                product = acc.args[0]
+                product, compensation = _integer_product(acc.args[0])
+                if product is None:
+                    continue
                 state = m.save()
                 scale_views: List[Node] = []
                 scale_node = _views(scale, scale_views)
-                if self._gemm(product, scale_node, m):
+                if self._gemm(product, compensation, scale_node, m):
                     m.interior.extend([*seen, node, *casts, inner, acc, product])
+                    if compensation is not None:
+                        m.interior.append(acc.args[0])
                     m.shared.extend([*ws_views, *scale_views])
                     m.bindings.update(ws=ws_base, ws_view=ws, product=product, rows_scaled=inner,
                                       y1=casts[0] if casts else inner)
@@ -174,14 +245,12 @@ class DynamicInt8Linear(QuantizedLayer):
                 m.restore(state)
         return False
 
-    def _gemm(self, product: Node, scale: Any, m: Match) -> bool:
-        """``_int_mm(view(q, [-1, K]), t(w))`` with q x quantized by ``scale``."""
+    def _gemm(self, product: Node, compensation: Optional[Node], scale: Any, m: Match) -> bool:
+        """``_int_mm(view(q, [-1, K]), t(w))`` with q x quantized by ``scale``; with a ``compensation``, q is
+        shifted to uint8 and the compensation is 128 times the column sums of the same ``t(w)``."""
         q, wt = product.args[0], product.args[1]
-        if is_call(wt, aten.t.default):
-            w = wt.args[0]
-        elif is_call(wt, aten.permute.default) and list(wt.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
-            w = wt.args[0]
-        else:
+        w = _transposed(wt)
+        if w is None:
             return False
         weight = tensor_val(w)
         if weight is None or weight.dim() != 2:
@@ -189,6 +258,12 @@ class DynamicInt8Linear(QuantizedLayer):
         width = weight.shape[1]
         q_views: List[Node] = []
         q = _views(q, q_views)
+        if compensation is not None:
+            shift = _unsigned_shift(q)
+            if shift is None or not _is_compensation(compensation, w, m):
+                return False
+            q_views.extend(shift)
+            q = _views(shift[-1].args[0], q_views)
         if _cast_to(q) != torch.int8:
             return False
         clamped = _views(q.args[0], q_views)
@@ -223,7 +298,7 @@ class DynamicInt8Linear(QuantizedLayer):
             if not self._row_scale(scale, x, width, m):
                 continue
             m.shared.extend([*q_views, q, clamped, *zero, rounded, scaled, *seen, inv, *x_views, wt])
-            m.bindings.update(x=x, x_view=xv, w=w, q=q_views[0] if q_views else q)
+            m.bindings.update(x=x, x_view=xv, w=w, q=q_views[0] if q_views else q, compensation=compensation)
             return True
         return False
 
@@ -346,7 +421,8 @@ def _check(m: Match, root: Node) -> Optional[str]:
 
 def _build(m: Match, root: Node, emit) -> Optional[Node]:
     out = tensor_val(root)
-    fused = emit(torch.ops.mindiesd.int8_linear.default, m["x"], m["w"], m["ws"], m["bias"], m["eps"], out.dtype)
+    fused = emit(torch.ops.mindiesd.int8_linear.default, m["x"], m["w"], m["ws"], m["bias"], m["compensation"],
+                 m["eps"], out.dtype)
     if tuple(tensor_val(fused).shape) != tuple(out.shape):
         fused = emit(aten.view.default, fused, list(out.shape))
     return fused

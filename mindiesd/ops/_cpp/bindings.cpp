@@ -32,7 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_gelu", &mindiesd_cpu::linear_gelu, arg("x"), arg("weight"), arg("bias"), release);
   m.def("mul_add", &mindiesd_cpu::mul_add, arg("x"), arg("y"), arg("z"), release);
   m.def("int8_linear", &mindiesd_cpu::int8_linear, arg("x"), arg("weight"), arg("weight_scale"), arg("bias"),
-        arg("eps"), arg("out_dtype"), release);
+        arg("compensation"), arg("eps"), arg("out_dtype"), release);
+  m.def("set_int8_gemm", &mindiesd_cpu::set_int8_gemm, arg("name"),
+        "int8_linear's integer product: auto (by the CPU's int8 instructions), signed, unsigned, float or dot.");
+  m.def("int8_gemm", &mindiesd_cpu::int8_gemm, arg("rows"), arg("compensated"),
+        "The integer product int8_linear computes for that many rows.");
   m.def("dequant_linear", &mindiesd_cpu::dequant_linear, arg("x"), arg("weight"), arg("weight_scale"), arg("bias"),
         arg("scale_first"), arg("out_dtype"), release);
   m.def("capability", &mindiesd_cpu::capability);

@@ -18,16 +18,6 @@
 namespace mindiesd_cpu {
 namespace {
 
-// The dequantized weight's buffer of this thread, grown as needed (elements of the largest weight seen).
-Tensor scratch(int64_t n, int64_t k, ScalarType dtype) {
-  thread_local Tensor buffer;
-  const int64_t bytes = n * k * static_cast<int64_t>(c10::elementSize(dtype));
-  if (!buffer.defined() || buffer.nbytes() < static_cast<size_t>(bytes)) {
-    buffer = at::detail::empty_cpu({bytes}, ScalarType::Byte, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
-  }
-  return buffer.view(ScalarType::Byte).slice(0, 0, bytes).view(dtype).view({n, k});
-}
-
 // The float32 value of every byte of a one-byte storage type (c10's conversion, once): a table lookup per element
 // instead of c10's bit-by-bit float8 decoding, which ATen's own cast runs per element.
 template <typename TQ>

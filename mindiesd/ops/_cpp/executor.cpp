@@ -687,7 +687,7 @@ class Program {
           break;
         case Entry::kInt8Linear:
           result = mindiesd_cpu::int8_linear(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), optional_tensor(v[3]),
-                                             v[4].toDouble(), dtype());
+                                             optional_tensor(v[4]), v[5].toDouble(), dtype());
           break;
         case Entry::kDequantLinear:
           result = mindiesd_cpu::dequant_linear(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(),

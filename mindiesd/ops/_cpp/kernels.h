@@ -47,7 +47,14 @@ std::optional<at::Tensor> linear_gelu(
 std::optional<at::Tensor> mul_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& z);
 std::optional<at::Tensor> int8_linear(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-    const std::optional<at::Tensor>& bias, double eps, at::ScalarType out_dtype);
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& compensation, double eps,
+    at::ScalarType out_dtype);
+// How int8_linear computes its integer product: chosen by the CPU's int8 instructions (kAuto), or as set.
+enum class IntegerGemm : int { kAuto, kSigned, kUnsigned, kFloat, kDot };
+// Sets it by name: auto, signed, unsigned, float or dot (for tests and measurements; auto by default).
+void set_int8_gemm(const std::string& name);
+// The product int8_linear computes for ``rows`` rows, with or without the weight's compensation.
+std::string int8_gemm(int64_t rows, bool compensated);
 std::optional<at::Tensor> dequant_linear(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
     const std::optional<at::Tensor>& bias, bool scale_first, at::ScalarType out_dtype);

@@ -6,6 +6,8 @@
 
 #include "common.h"
 
+#include <ATen/EmptyTensor.h>
+
 namespace mindiesd_cpu {
 
 // Whether a kernel covers a layer's operands: x [..., K] of a covered float type T on CPU, a 2-D weight [N, K]
@@ -22,6 +24,17 @@ inline bool covers_layer(const Tensor& x, const Tensor& weight, const Tensor& we
          pairs_with_x(out_dtype) &&
          (!biased || (on_cpu(*bias) && pairs_with_x(bias->scalar_type()) && bias->dim() == 1 &&
                       bias->size(0) == weight.size(0)));
+}
+
+// A dequantized weight's buffer of this thread, kept between calls and grown as needed (the bytes of the largest
+// weight seen), shared by the quantized linear layers: a view of it as ``dtype`` [n, k].
+inline Tensor scratch(int64_t n, int64_t k, ScalarType dtype) {
+  thread_local Tensor buffer;
+  const int64_t bytes = n * k * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!buffer.defined() || buffer.nbytes() < static_cast<size_t>(bytes)) {
+    buffer = at::detail::empty_cpu({bytes}, ScalarType::Byte, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
+  }
+  return buffer.view(ScalarType::Byte).slice(0, 0, bytes).view(dtype).view({n, k});
 }
 
 // Rounding of the epilogue's steps to x's type T: after the scale (where the

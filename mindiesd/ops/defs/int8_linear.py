@@ -4,12 +4,15 @@ as torchao's ``Int8DynamicActivationInt8WeightConfig`` computes it, in one op.
 For x ``[..., K]`` of dtype T (float32, bfloat16 or float16), weight ``[N, K]`` int8, weight_scale of N values and
 bias ``[N]`` or None (each of dtype T or float32: torchao keeps a bfloat16 model's scales in float32), each row of x
 is quantized symmetrically to int8 and the int32 product is rescaled, with every intermediate rounding of torchao's
-unfused sequence (so the op is bit-exact with it):
+unfused sequence (so the op is bit-exact with it). ``compensation`` is None or the weight's column sums times 128
+(int32, N values), which torchao computes on CPUs with VNNI but no AMX, where it shifts the quantized x to uint8 for
+a uint8 x int8 GEMM and subtracts them; a kernel may use them for that GEMM. The integer product is exact whichever
+way it is computed, so the result does not depend on it:
 
 1. ``amax_abs = maximum(-minimum(amin(x), 0), maximum(amax(x), 0))`` per row, in T;
 2. ``scale = clamp(amax_abs / 127.5, min=eps)`` in T (127.5 is half the width of [-128, 127]), then float32;
 3. ``q = clamp(round(float32(x) * reciprocal(scale)), -128, 127)`` as int8 (round half to even);
-4. ``acc = q @ weight.T`` in int32 (``torch._int_mm``);
+4. ``acc = q @ weight.T`` in int32 (``torch._int_mm``, or ``_int_mm(q + 128 as uint8, weight.T) - compensation``);
 5. ``out = T(float32(acc) * scale) * weight_scale + bias``, the product and the sum in the promoted dtype of
    their operands (as eager's type promotion rounds them), then cast to ``out_dtype`` (by default that of the sum).
 
@@ -33,10 +36,16 @@ DEFAULT_EPS = torch.finfo(torch.float32).eps
 
 
 def int8_linear_rules(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor], compensation: Optional[torch.Tensor],
                       out_dtype: Optional[torch.dtype]) -> tuple[torch.dtype, torch.dtype]:
     """Validate int8_linear inputs; return (output dtype, compute dtype: float32)."""
     check_layer("int8_linear", x, weight, weight_scale, bias, out_dtype, (torch.int8,), "int8")
+    n = weight.shape[0]
+    if compensation is not None and (compensation.dtype != torch.int32 or compensation.numel() != n
+                                     or compensation.device != weight.device):
+        raise ValueError(f"mindiesd.int8_linear: compensation must be None or {n} int32 values (the weight's column "
+                         f"sums times 128) on the weight's device, got {compensation.dtype} "
+                         f"{list(compensation.shape)} on {compensation.device}")
     summed = torch.promote_types(x.dtype, weight_scale.dtype)
     if bias is not None:
         summed = torch.promote_types(summed, bias.dtype)
@@ -65,10 +74,11 @@ def rescale(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, 
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: Optional[torch.Tensor] = None, eps: float = DEFAULT_EPS,
-              out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """torchao's unfused sequence: quantize the rows, ``torch._int_mm``, rescale (see the module doc)."""
-    out_dtype, _ = int8_linear_rules(x, weight, weight_scale, bias, out_dtype)
+              bias: Optional[torch.Tensor] = None, compensation: Optional[torch.Tensor] = None,
+              eps: float = DEFAULT_EPS, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """torchao's unfused sequence: quantize the rows, ``torch._int_mm``, rescale (see the module doc). The signed
+    product is the uint8 one less the compensation, so ``compensation`` is checked and not needed."""
+    out_dtype, _ = int8_linear_rules(x, weight, weight_scale, bias, compensation, out_dtype)
     check_eps(eps)
     k, n = x.shape[-1], weight.shape[0]
     q, scale = quantize_rows(x.detach(), eps)
@@ -78,8 +88,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 INT8_LINEAR = registry.declare(registry.OpDef(
-    schema="int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, float eps, "
-           "ScalarType? out_dtype=None) -> Tensor",
+    schema="int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? compensation, "
+           "float eps, ScalarType? out_dtype=None) -> Tensor",
     layout="gemm", rows=False,
     reference=reference, checks=int8_linear_rules, layout_args=2,
 ))

@@ -113,7 +113,7 @@ cat_linear = native(CAT_LINEAR, lambda t: ([t.x, t.x[..., :10]], t.scale.reshape
 mul_add = native(MUL_ADD, lambda t: (t.x, t.scale, t.w), fallible=(RuntimeError,))
 # x [3, 2, 40] through 3 int8 output rows, with their scales and a bias
 int8_linear = native(INT8_LINEAR, lambda t: (t.x, (t.scale.reshape(3, 40) * 40).round().clamp(-128, 127).to(torch.int8),
-                                             t.w[:3].abs() + 0.01, t.shift[:3], 1.1920928955078125e-07))
+                                             t.w[:3].abs() + 0.01, t.shift[:3], None, 1.1920928955078125e-07))
 # the same weight stored as float8 and dequantized before the GEMM
 dequant_linear = native(DEQUANT_LINEAR, lambda t: (t.x, t.scale.reshape(3, 40).to(torch.float8_e4m3fn),
                                                    t.w[:3].abs() + 0.01, t.shift[:3], True))

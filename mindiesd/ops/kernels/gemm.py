@@ -21,7 +21,7 @@ which BLAS reads as it is. In bfloat16 and float16 the output would hold the par
 rounded once per input where eager rounds once, so there the kernels concatenate and run one GEMM, as eager does
 (the pass fuses float32 and float64 only).
 
-int8_linear takes ``(x, weight, weight_scale, bias, eps, out_dtype)``: torchao's dynamic per-row int8 quantization
+int8_linear takes ``(x, weight, weight_scale, bias, compensation, eps, out_dtype)``: torchao's dynamic per-row int8 quantization
 of x, ``torch._int_mm`` and the rescale (``defs/int8_linear.py``). On CPU the C++ kernel (``cpp.py``) quantizes each
 row in one visit and rescales the int32 product in one pass; the composition here is torchao's own sequence. On
 CUDA the composition runs (the same ops as eager: declared not faster).
@@ -139,16 +139,16 @@ def cat_linear_cpu(xs, weight: torch.Tensor, bias=None) -> torch.Tensor:
 
 @cpu_kernel(INT8_LINEAR)
 def int8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None,
-                    eps: float = 1.1920928955078125e-07, out_dtype=None) -> torch.Tensor:
+                    compensation=None, eps: float = 1.1920928955078125e-07, out_dtype=None) -> torch.Tensor:
     """torchao's sequence (the C++ kernel of cpp.py runs in its place)."""
-    return int8_linear_reference(x, weight, weight_scale, bias, eps, out_dtype)
+    return int8_linear_reference(x, weight, weight_scale, bias, compensation, eps, out_dtype)
 
 
 @registry.kernel(INT8_LINEAR, "cuda", fast=False, into=CUDA_KERNELS, register=False,
                  note="torchao's own sequence (no fused CUDA kernel yet): not faster than eager")
 def int8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias=None,
-                     eps: float = 1.1920928955078125e-07, out_dtype=None) -> torch.Tensor:
-    return int8_linear_reference(x, weight, weight_scale, bias, eps, out_dtype)
+                     compensation=None, eps: float = 1.1920928955078125e-07, out_dtype=None) -> torch.Tensor:
+    return int8_linear_reference(x, weight, weight_scale, bias, compensation, eps, out_dtype)
 
 
 @cpu_kernel(DEQUANT_LINEAR)
