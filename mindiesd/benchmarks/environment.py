@@ -80,14 +80,31 @@ def device_graph(device_type: str) -> Optional[str]:
     return f"{name} unavailable: torch_npu has no NPUGraph"
 
 
-def devices() -> List[str]:
-    """The devices torch sees, one line each (the CPU first)."""
+#: The CPU features a quantized figure depends on (torch.cpu's names): torchao picks its int8 product by them.
+CPU_FEATURES = (("amx_tile", "AMX tiles"), ("avx512_vnni", "AVX-512 VNNI"), ("avx512_bf16", "AVX-512 BF16"))
+
+
+def cpu_description() -> str:
+    """The CPU's name, ATen's vector capability (AVX2, AVX512, ...) and the int8/bf16 features a figure depends on, e.g.
+    ``AMD EPYC, AVX2; amx_tile no, avx512_vnni no, avx512_bf16 no``."""
+    try:
+        capabilities = torch.cpu.get_capabilities()
+    except Exception:  # noqa: BLE001  (a torch without it)
+        capabilities = {"amx_tile": torch.cpu._is_amx_tile_supported(), "avx512_vnni": torch.cpu._is_vnni_supported(),
+                        "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
     try:
         capability = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001  (older torch or exotic platforms)
+    except Exception:  # noqa: BLE001
         capability = "unknown"
+    name = capabilities.get("cpu_name") or platform.processor() or platform.machine() or "unknown CPU"
+    flags = ", ".join(f"{key} {'yes' if capabilities.get(key) else 'no'}" for key, _ in CPU_FEATURES)
+    return f"{name}, {capability}; {flags}"
+
+
+def devices() -> List[str]:
+    """The devices torch sees, one line each (the CPU first)."""
     cores = plural(os.cpu_count() or 0, "logical core")
-    found = [f"cpu: {platform.machine() or 'unknown'}, {cores}, ATen capability {capability}"]
+    found = [f"cpu: {platform.machine() or 'unknown'}, {cores}, {cpu_description()}"]
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
@@ -135,6 +152,7 @@ def environment(device: Any = None) -> Dict[str, Any]:
         "torch": torch.__version__,
         "diffusers": package_version("diffusers"),
         "threads": torch.get_num_threads(),
+        "cpu": cpu_description(),
         "cpu_kernels": cpu_kernels(),
     }
     device_type = str(device).split(":")[0] if device is not None else "cpu"
@@ -150,7 +168,9 @@ def environment(device: Any = None) -> Dict[str, Any]:
 def footer(env: Dict[str, Any]) -> str:
     """One line naming the kernels of the bench's ``env``: mindiesd's version, the CPU kernels, and where the run
     had them, Triton and the device graph."""
-    parts = [f"mindiesd {env['mindiesd']}", f"CPU kernels: {env['cpu_kernels']}"]
+    parts = [f"mindiesd {env['mindiesd']}", f"CPU: {env['cpu']}" if "cpu" in env else "",
+             f"CPU kernels: {env['cpu_kernels']}"]
+    parts = [p for p in parts if p]
     if "triton_kernels" in env:
         parts.append(f"triton {env['triton'] or '-'}: {env['triton_kernels']}")
     if "device_graph" in env:

@@ -180,4 +180,7 @@ def test_bench_model_json_and_footer_name_the_cpu_kernels(tmp_path, monkeypatch)
     assert saved["cpu_kernels"] == implementation
     assert saved["mindiesd"] == mindiesd.__version__ and saved["torch"] == torch.__version__
     assert "triton_kernels" not in saved and "device_graph" not in saved  # a CPU run
-    assert f"mindiesd {mindiesd.__version__}; CPU kernels: {implementation}" in out.getvalue().splitlines()
+    assert saved["cpu"] == environment.cpu_description(), "a figure names the processor's features"
+    assert all(f in saved["cpu"] for f in ("amx_tile", "avx512_vnni", "avx512_bf16"))
+    footer = f"mindiesd {mindiesd.__version__}; CPU: {saved['cpu']}; CPU kernels: {implementation}"
+    assert footer in out.getvalue().splitlines()
