@@ -5,7 +5,8 @@ The whole pipeline, per graph that Dynamo hands over (:meth:`MindieSDBackend.__c
 
     load_cached (a cache entry for this graph? skip to the capture wrap)
     -> aot (functional aten, inference): its fw_compiler runs
-           freeze (enable_freezing: freeze-stage rewrites, then weights-only computations folded)
+           restore_layout_checks (what aot decided on fake strides is checked on the real ones)
+           -> freeze (enable_freezing: freeze-stage rewrites, then weights-only computations folded)
            -> fuse (fusion_patterns.enable_*)
     -> store (cache_dir) -> wrap for capture (aclgraph_*) -> what Dynamo calls
 
@@ -40,6 +41,7 @@ from .freezing import FrozenGraph, constant_inputs, split_constants
 from .fx_utils import drop_copies
 from .graph_log import GraphLog, resolve_log_dir
 from .into import write_into
+from .layout_checks import restore_layout_checks
 from .pass_manager import PassManager
 from .tidy import tidy
 from .report import CompileReport, GraphRecord, fusion_report
@@ -251,6 +253,9 @@ class _FreezeAndFuse:
 
         context = self.context
         self.graph_log.graph("aten", aten_gm)
+        restored = restore_layout_checks(aten_gm.graph)
+        if restored:
+            log.debug("layout checks restored at run time: %d", restored)
         passes = PassManager(context.families, context.device_type, force=context.force)
         fused = fuse(context, freeze(context, aten_gm, len(aten_inputs), passes, self.graph_log), aten_gm, passes,
                      self.graph_log)

@@ -1,0 +1,123 @@
+"""Tiny diffusers VAEs compiled whole: encode and decode equal eager's and nothing falls back.
+
+One case per VAE class of diffusers 0.42.1 that runs on the CPU, each built from a shrunken config with seeded
+random weights: two levels, the fewest channels its norms take, inputs 16 pixels wide, so that a case compiles in
+a few seconds. The video VAEs get frames enough for one causal step after the first frame (Wan: 1 + 4 frames,
+decoded from 1 + 1 latent frames), so their causal convolutions read the frames they cached as well as write them.
+AutoencoderKL's attention block leaves a view whose traced strides differ from the real ones in the batch dim, the
+case that ``compilation/layout_checks.py`` exists for; it is decoded from a channels-last latent too.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+import torch
+
+from fusion_utils import assert_close, run_compiled
+from mindiesd.compilation import CompilationConfig
+
+diffusers = pytest.importorskip("diffusers")
+
+pytestmark = [
+    pytest.mark.slow,  # whole models: the quick subset is `pytest -m "not slow"`
+    pytest.mark.filterwarnings("error::mindiesd.compilation.MindieSDFallbackWarning"),
+]
+
+
+@dataclass(frozen=True)
+class Vae:
+    """A tiny configuration of a VAE class, with the shapes of the sample it encodes and the latent it decodes."""
+
+    config: Dict[str, Any]
+    sample: Tuple[int, ...]
+    latent: Tuple[int, ...]
+
+
+_WAN_LIKE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1)
+
+VAES = {
+    "AutoencoderKL": Vae(
+        dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(32, 32),
+             norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 2,
+             up_block_types=("UpDecoderBlock2D",) * 2),
+        sample=(1, 3, 16, 16), latent=(1, 4, 8, 8)),
+    "AutoencoderKLWan": Vae(dict(_WAN_LIKE, temperal_downsample=[True]),
+                            sample=(1, 3, 5, 16, 16), latent=(1, 4, 2, 8, 8)),
+    "AutoencoderKLQwenImage": Vae(dict(_WAN_LIKE, temperal_downsample=[False]),
+                                  sample=(1, 3, 1, 16, 16), latent=(1, 4, 1, 8, 8)),
+    "AutoencoderKLHunyuanVideo": Vae(
+        dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(32, 32),
+             norm_num_groups=32, down_block_types=("HunyuanVideoDownBlock3D",) * 2,
+             up_block_types=("HunyuanVideoUpBlock3D",) * 2, spatial_compression_ratio=2),
+        sample=(1, 3, 3, 16, 16), latent=(1, 4, 2, 8, 8)),
+    "AutoencoderKLLTXVideo": Vae(
+        dict(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 16),
+             decoder_block_out_channels=(8, 16), down_block_types=("LTXVideoDownBlock3D",) * 2,
+             layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+             spatio_temporal_scaling=(True, False), decoder_spatio_temporal_scaling=(True, False),
+             decoder_inject_noise=(False, False, False), downsample_type=("conv", "conv"),
+             upsample_residual=(False, False), upsample_factor=(1, 1), patch_size=1, patch_size_t=1),
+        sample=(1, 3, 3, 16, 16), latent=(1, 8, 2, 8, 8)),
+    "AutoencoderDC": Vae(
+        dict(in_channels=3, latent_channels=4, attention_head_dim=8,
+             encoder_block_types=("ResBlock", "EfficientViTBlock"),
+             decoder_block_types=("ResBlock", "EfficientViTBlock"),
+             encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
+             encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
+             encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,))),
+        sample=(1, 3, 16, 16), latent=(1, 4, 8, 8)),
+}
+
+_BUILT: Dict[str, Any] = {}
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _vae(name: str) -> Any:
+    """The tiny VAE of class ``name``, built once with seeded weights (skipped where diffusers lacks the class)."""
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        pytest.skip(f"diffusers {diffusers.__version__} has no {name}")
+    if name not in _BUILT:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            _BUILT[name] = cls(**VAES[name].config).eval()
+    return _BUILT[name]
+
+
+def _encode(vae: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What encode computes: a KL VAE's moments (mean and log-variance, before sampling), or the latent."""
+
+    def encode(sample: torch.Tensor) -> torch.Tensor:
+        (encoded,) = vae.encode(sample, return_dict=False)
+        return getattr(encoded, "parameters", encoded)
+
+    return encode
+
+
+def _decode(vae: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda latent: vae.decode(latent, return_dict=False)[0]
+
+
+def _check(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    actual, expected, _, backend = run_compiled(fn, x, config=CompilationConfig(strict=True))
+    assert_close(actual, expected)
+    assert not backend.report().fallbacks
+
+
+@pytest.mark.parametrize("part", ["encode", "decode"])
+@pytest.mark.parametrize("name", list(VAES))
+def test_tiny_vae_matches_eager(name, part):
+    vae, spec = _vae(name), VAES[name]
+    if part == "encode":
+        _check(_encode(vae), _randn(*spec.sample))
+    else:
+        _check(_decode(vae), _randn(*spec.latent))
+
+
+def test_autoencoder_kl_decodes_a_channels_last_latent():
+    latent = _randn(*VAES["AutoencoderKL"].latent).contiguous(memory_format=torch.channels_last)
+    _check(_decode(_vae("AutoencoderKL")), latent)
