@@ -105,7 +105,7 @@ FAMILIES: Dict[str, FusionFamily] = {
             stage="freeze",
             group="gemm",
             # Measured with ``bench --model flux --size mid --vs inductor --force F --ablate``, each switch off in
-            # turn (README "GEMM rewrites"); off where no gain was measured, and where nothing was measured yet.
+            # turn (docs/fusion-families.md "GEMM rewrites"); off where no gain was measured, and where nothing was measured yet.
             rewrites={
                 "cpu": Rewrite(False, "not faster than separate GEMMs on the CPUs measured "
                                       "(2-core AMD EPYC, fp32: within noise)"),

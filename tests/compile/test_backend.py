@@ -297,7 +297,7 @@ def test_dynamic_shapes_compile_and_match(dtype):
 
 @pytest.mark.parametrize("input_grad", [False, True], ids=["weights_only", "input_too"])
 def test_training_mode_fuses_the_forward_and_keeps_gradients_right(input_grad):
-    """README: with gradients on, the forward is fused where every value the backward needs is kept; no freezing.
+    """docs/specification.md: with gradients on, the forward is fused where every value the backward needs is kept; no freezing.
 
     The backward always needs the mean and rstd of adaLN's `native_layer_norm`, which the adalayernorm op would
     remove: that site stays unfused and its `norm * (1 + scale) + shift` goes to mul_add (beside the gate). The

@@ -364,7 +364,7 @@ def test_clear_frozen_caches_drops_the_captures_that_read_the_cleared_constants(
     for _ in range(2):
         torch.testing.assert_close(call(compiled, x), eager(model, x), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        model.freqs.data.copy_(torch.randn(16))  # bypasses the version counter, as the README says
+        model.freqs.data.copy_(torch.randn(16))  # bypasses the version counter, as docs/device-graphs.md says
     clear_frozen_caches()
     replays = adapter.replays
     for _ in range(3):

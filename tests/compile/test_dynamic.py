@@ -87,7 +87,7 @@ def test_a_changed_eps_is_read_at_run_time():
 # ---------------------------------------------------------------------------------------------- Flux and Wan
 # Sizes avoid the values of the other input dims at the first call (Flux: 256 text features, 128 pooled, 16
 # channels; Wan: 16 channels, 3 frames): Dynamo's duck shaping gives equal sizes one symbol, and a weight's width
-# then pins it (README, "Debugging and robustness").
+# then pins it (docs/debugging.md).
 def _flux_sizes(case, tokens=(192, 160, 96)):
     out = []
     for n in tokens:

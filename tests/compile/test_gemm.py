@@ -1,7 +1,7 @@
 """The GEMM rewrites: merged projections (``merge_projections``), the GELU epilogue (``linear_gelu``) and the
 linear layer over a concatenation (``cat_linear``).
 
-All are off on CPU by default (measured: no gain on the CPUs tried, README "GEMM rewrites"); the tests declare
+All are off on CPU by default (measured: no gain on the CPUs tried, docs/fusion-families.md "GEMM rewrites"); the tests declare
 them fast on CPU (``MindieSDBackend(force_fast=...)``) to check the rewrites themselves: what is rewritten (counted in
 the final graph), what is left alone, the numerics against eager per dtype, and weights changed after compiling.
 """
