@@ -5,6 +5,7 @@ arguments get clear errors."""
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -213,18 +214,60 @@ def test_dequant_reference_is_torchao_eager_bit_for_bit(dtype, config, bias):
     assert actual.dtype == expected.dtype and torch.equal(actual, expected)
 
 
+def _gemm_in_float32(cpp, dtype) -> bool:
+    """Whether the C++ dequant_linear multiplies 16-bit x in float32: builds for CPUs without 16-bit GEMM
+    instructions (below AVX-512), where ATen's 16-bit GEMM widens in software."""
+    return dtype != torch.float32 and "AVX512" not in cpp.capability()
+
+
+def _dequant_expected(cpp, x, w, ws, b, scale_first, out_dtype):
+    """The reference, with its GEMM of x's 16-bit values run in float32 and rounded to x's type where the kernel
+    does so (:func:`_gemm_in_float32`): the same products, summed in float32 in another order."""
+    if not _gemm_in_float32(cpp, x.dtype):
+        return reference.dequant_linear(x, w, ws, b, scale_first, out_dtype)
+    mm = torch.mm
+    with mock.patch.object(torch, "mm", lambda a, c: mm(a.float(), c.float()).to(a.dtype)):
+        return reference.dequant_linear(x, w, ws, b, scale_first, out_dtype)
+
+
 @pytest.mark.parametrize("scale_first", [True, False], ids=["scale_first", "scale_after"])
 @pytest.mark.parametrize("storage", STORAGE, ids=ids)
 @pytest.mark.parametrize("combination", COMBINATIONS, ids=lambda c: "-".join(ids(d) if d else "none" for d in c))
 def test_dequant_cpp_kernel_is_bit_exact_with_the_reference(cpp, combination, storage, scale_first):
+    """Bit-exact with the reference, whose GEMM runs in float32 where the kernel's does (16-bit x below AVX-512);
+    that GEMM stays within the 16-bit GEMM's own rounding of torchao's layer."""
     dtype, scale_dtype, bias_dtype, out_dtype = combination
     x, _, ws, b = _case((5, 33, 72), dtype=dtype, scale_dtype=scale_dtype, bias_dtype=bias_dtype)
     w = _stored(48, 72, storage)
-    expected = reference.dequant_linear(x, w, ws, b, scale_first, out_dtype)
+    expected = _dequant_expected(cpp, x, w, ws, b, scale_first, out_dtype)
     raw = cpp.dequant_linear(x, w, ws, b, scale_first, expected.dtype)
     assert raw is not None and raw.dtype == expected.dtype and raw.shape == expected.shape and raw.is_contiguous()
     assert torch.equal(raw, expected)
     assert torch.equal(DEQUANT(x, w, ws, b, scale_first, out_dtype), expected)
+    unfused = reference.dequant_linear(x, w, ws, b, scale_first, out_dtype)
+    torch.testing.assert_close(raw, unfused, **TOLERANCE[dtype])
+
+
+#: Two float32 sums of the same products in different orders, rounded to a 16-bit type, differ by a unit of its last
+#: place at most where they do not cancel; the bounds allow a few, relative to the output's magnitude.
+TOLERANCE = {torch.float32: dict(rtol=0, atol=0), torch.bfloat16: dict(rtol=8e-3, atol=2e-2),
+             torch.float16: dict(rtol=1e-3, atol=2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=ids)
+def test_dequant_16_bit_gemm_in_float32_is_as_close_to_the_exact_product_as_atens(cpp, dtype):
+    """Where the kernel multiplies 16-bit x in float32, its error against the exact product (float64) is of the
+    size of ATen's 16-bit GEMM's, over rows long enough for the sums' rounding to show."""
+    if not _gemm_in_float32(cpp, dtype):
+        pytest.skip(f"the {cpp.capability()} build runs ATen's 16-bit GEMM")
+    x, _, ws, _ = _case((256, 512), n=96, dtype=dtype, scale_dtype=torch.float32)
+    w = _stored(96, 512, torch.int8)
+    ones = torch.ones_like(ws)
+    exact = x.double() @ w.double().t()
+    fused = cpp.dequant_linear(x, w, ones, None, False, dtype).double()
+    eager = torch.mm(x, w.t().to(dtype)).double()
+    fused_error, eager_error = ((result - exact).abs().max() for result in (fused, eager))
+    assert fused_error <= 2 * eager_error, (fused_error, eager_error)
 
 
 def test_dequant_kernel_reuses_its_buffer_across_weights_of_other_sizes(cpp):
@@ -235,6 +278,9 @@ def test_dequant_kernel_reuses_its_buffer_across_weights_of_other_sizes(cpp):
         w = _stored(n, k, torch.float8_e4m3fn, seed=n + k)
         expected = reference.dequant_linear(x, w, ws, b, True, torch.float32)
         assert torch.equal(cpp.dequant_linear(x, w, ws, b, True, torch.float32), expected)
+        half = x.bfloat16()  # a 16-bit GEMM (in float32 below AVX-512) through the same buffer
+        assert torch.equal(cpp.dequant_linear(half, w, ws, b, True, torch.float32),
+                           _dequant_expected(cpp, half, w, ws, b, True, torch.float32))
 
 
 @pytest.mark.parametrize("change,message", [

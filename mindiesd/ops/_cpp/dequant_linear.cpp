@@ -2,9 +2,10 @@
 // output channel (defs/dequant_linear.py). The weight is dequantized into a
 // buffer this thread keeps between calls (one pass over the stored weight, no
 // fresh allocation: eager's sequence makes one or two full-size copies per
-// call), ATen's GEMM multiplies, and one pass over the output applies what
-// follows the GEMM (the int8 form's scale, the bias, the output cast) in
-// place where the output has the GEMM's type.
+// call), ATen's GEMM multiplies (in float32 for a 16-bit x where the CPU has
+// no 16-bit GEMM instructions: kWidenHalfGemm), and one pass over the output
+// applies what follows the GEMM (the int8 form's scale, the bias, the output
+// cast) in place where the output has the GEMM's type.
 
 #include "quantized.h"
 
@@ -36,15 +37,26 @@ const float* byte_values() {
   return table.data();
 }
 
-// w[n, k] = T(float32(q) * scale[n]) (scale_first) or T(q), rows split across threads.
-template <typename T, typename TQ, typename TS>
-void dequantize(const TQ* q, const TS* scale, T* w, int64_t n, int64_t k, bool scale_first) {
+// Whether a 16-bit layer runs its GEMM in float32. Where the CPU has no 16-bit dot-product instructions (the AVX2
+// and baseline builds), ATen's bfloat16 and float16 GEMMs widen their operands in software and run at a fraction
+// of the float32 GEMM's rate; there the layer multiplies the same 16-bit values in float32 (each product exact, the
+// sums in float32 as the 16-bit GEMM accumulates) and rounds the result to x's type, as that GEMM does.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kWidenHalfGemm = false;
+#else
+constexpr bool kWidenHalfGemm = true;
+#endif
+
+// w[n, k] = T(float32(q) * scale[n]) (scale_first) or T(q), stored as TW (T, or float32 holding T's values), rows
+// split across threads.
+template <typename T, typename TQ, typename TS, typename TW>
+void dequantize(const TQ* q, const TS* scale, TW* w, int64_t n, int64_t k, bool scale_first) {
   const float* values = byte_values<TQ>();
   at::parallel_for(0, n, row_grain(k), [&](int64_t begin, int64_t end) {
     alignas(64) std::array<float, kBlock> widened;
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = reinterpret_cast<const uint8_t*>(q) + r * k;
-      T* out = w + r * k;
+      TW* out = w + r * k;
       const fVec s(scale_first ? static_cast<float>(scale[r]) : 1.0f);
       for_each_block(0, k, false, [&](const auto& block) {
         for (int64_t j = 0; j < block.n; ++j) {
@@ -55,21 +67,26 @@ void dequantize(const TQ* q, const TS* scale, T* w, int64_t n, int64_t k, bool s
           a = a * s;
           b = b * s;
         }
+        round_through<T>(a, b);
         block.store(out, a, b);
       });
     }
   });
 }
 
-// out[m, n] = TO(((y * scale[n]) rounded as TP) + bias[n] (rounded as TSUM)), y the GEMM's output of x's type T.
-template <typename T, typename TS, typename TB, typename TO>
-void finish_rows(const T* y, const TS* scale, const TB* bias, TO* out, int64_t rows, int64_t n, Epilogue rounding) {
+// out[m, n] = TO(((y * scale[n]) rounded as TP) + bias[n] (rounded as TSUM)), y the GEMM's output (of x's type T,
+// or float32 rounded to T here).
+template <typename T, typename TY, typename TS, typename TB, typename TO>
+void finish_rows(const TY* y, const TS* scale, const TB* bias, TO* out, int64_t rows, int64_t n, Epilogue rounding) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* in = y + r * n;
+      const TY* in = y + r * n;
       TO* result = out + r * n;
       for_each_block(0, n, false, [&](const auto& block) {
-        const auto [a, b] = block.load(in);
+        auto [a, b] = block.load(in);
+        if constexpr (std::is_same_v<TY, float>) {
+          round_through<T>(a, b);  // the 16-bit GEMM's output, rounded to T
+        }
         finish_block<T>(block, a, b, scale, bias, result, rounding);
       });
     }
@@ -120,41 +137,54 @@ std::optional<Tensor> dequant_linear(const Tensor& x, const Tensor& weight, cons
   }
   const Tensor q = weight.is_contiguous() ? weight : weight.contiguous();
   const Tensor s = weight_scale.is_contiguous() ? weight_scale : weight_scale.contiguous();
-  Tensor w = scratch(n, k, t);
+  // the GEMM's type: x's, or float32 holding x's values (kWidenHalfGemm)
+  const ScalarType g = kWidenHalfGemm ? ScalarType::Float : t;
+  Tensor w = scratch(n, k, g);
   dispatch_float(t, [&](auto tag) {
     using T = decltype(tag);
     dispatch_storage(q.scalar_type(), [&](auto storage_tag) {
       using TQ = decltype(storage_tag);
-      if (s.scalar_type() == ScalarType::Float) {
-        dequantize<T, TQ, float>(q.const_data_ptr<TQ>(), s.const_data_ptr<float>(), w.mutable_data_ptr<T>(), n, k,
-                                 scale_first);
+      auto into = [&](auto* out) {
+        if (s.scalar_type() == ScalarType::Float) {
+          dequantize<T, TQ>(q.const_data_ptr<TQ>(), s.const_data_ptr<float>(), out, n, k, scale_first);
+        } else {
+          dequantize<T, TQ>(q.const_data_ptr<TQ>(), s.const_data_ptr<T>(), out, n, k, scale_first);
+        }
+      };
+      if (g == ScalarType::Float) {
+        into(w.mutable_data_ptr<float>());
       } else {
-        dequantize<T, TQ, T>(q.const_data_ptr<TQ>(), s.const_data_ptr<T>(), w.mutable_data_ptr<T>(), n, k,
-                             scale_first);
+        into(w.mutable_data_ptr<T>());
       }
     });
   });
   const Tensor x2d = x.reshape({rows, k});
-  Tensor y = empty_output(x, {rows, n}, t);
-  at::mm_out(y, x2d, w.t());
+  Tensor y = empty_output(x, {rows, n}, g);
+  at::mm_out(y, g == t ? x2d : x2d.to(g), w.t());
   const bool scaled = !scale_first;
-  if (!scaled && !biased && out_dtype == t) {
+  if (!scaled && !biased && out_dtype == t && g == t) {
     return y.view(sizes);
   }
   // the product rounds to T where the scale is T (else float32), the sum where the product and the bias do
   const bool round_product = scaled && s.scalar_type() == t;
   const bool round_sum = (!scaled || round_product) && (!biased || bias->scalar_type() == t);
   const Tensor b = biased ? (bias->is_contiguous() ? *bias : bias->contiguous()) : Tensor();
-  Tensor out = out_dtype == t ? y : empty_output(x, {rows, n}, out_dtype);
+  Tensor out = out_dtype == g ? y : empty_output(x, {rows, n}, out_dtype);
   dispatch_float(t, [&](auto tag) {
     using T = decltype(tag);
     dispatch_epilogue<T>(s.scalar_type(), biased ? b.scalar_type() : t, out_dtype, [&](auto ts, auto tb, auto to) {
       using TS = decltype(ts);
       using TB = decltype(tb);
       using TO = decltype(to);
-      finish_rows<T, TS, TB, TO>(y.const_data_ptr<T>(), scaled ? s.const_data_ptr<TS>() : nullptr,
-                                 biased ? b.const_data_ptr<TB>() : nullptr, out.mutable_data_ptr<TO>(), rows, n,
-                                 Epilogue{round_product, round_sum});
+      auto finish = [&](const auto* product) {
+        finish_rows<T>(product, scaled ? s.const_data_ptr<TS>() : nullptr, biased ? b.const_data_ptr<TB>() : nullptr,
+                       out.mutable_data_ptr<TO>(), rows, n, Epilogue{round_product, round_sum});
+      };
+      if (g == ScalarType::Float) {
+        finish(y.const_data_ptr<float>());
+      } else {
+        finish(y.const_data_ptr<T>());
+      }
     });
   });
   return out.view(sizes);

@@ -12,7 +12,9 @@ weight_scale of N values and bias ``[N]`` or None, with the roundings of torchao
 then ``+ bias`` in the promoted dtype, cast to ``out_dtype`` (by default x's dtype promoted with the bias's;
 the pass always gives the dtype of the output it replaces). The output is
 contiguous, ``x.shape[:-1] + (N,)``. The kernels write the dequantized weight into a buffer they keep for the next
-call (eager's sequence allocates one or two full-size copies per layer and call, and frees them).
+call (eager's sequence allocates one or two full-size copies per layer and call, and frees them). For 16-bit x, a
+kernel may sum the GEMM's products in float32 in another order than ATen's 16-bit GEMM (the CPU kernel does where
+the CPU has no 16-bit GEMM instructions), which moves an output by the rounding of those sums.
 """
 
 from __future__ import annotations
