@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fusion_utils import assert_close, run_compiled
 from mindiesd import zoo
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning, codegen, executor
-from mindiesd.ops.kernels import cpp_build
+from mindiesd.ops.kernels import cpp, cpp_build
 
 needs_program = pytest.mark.skipif(
     not executor.enabled() or getattr(cpp_build.extension(), "Program", None) is None,
@@ -356,6 +356,26 @@ def test_linear_out_into_a_buffer_runs_its_cpp_entry_with_torch_linear_bits(dtyp
         runs = [built.run(args)[0] for _ in range(2)]
     expected = F.linear(args[0], args[1], args[2] if biased else None) * 2.0
     assert built.direct_calls == 2 and all(torch.equal(run, expected) for run in runs)
+
+
+@needs_program
+def test_every_cpp_kernel_registers_its_executor_entry_and_the_executor_names_none():
+    """Each op with a C++ kernel (and aten's linear layer, linear and linear.out) registers the executor's entry
+    beside its kernel; the executor finds every one by name, raises for a name none registered, and its source
+    names no op."""
+    names = set(cpp.KERNELS) | {"linear", "linear_out"}
+    assert set(cpp_build.extension().executor_entries()) == names
+    source = (cpp_build.SOURCE_DIR / "executor.cpp").read_text()
+    assert [name for name in sorted(names) if f'"{name}"' in source] == []
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(aten.relu.default, (x,)),))
+    count, inputs, program, outputs, _, _, _ = executor.instructions(torch.fx.GraphModule(torch.nn.Module(), graph), {})
+    unknown = ("no_such_op", [("slot", inputs[0])], None, None, [])
+    program = [(*instruction[:6], unknown, *instruction[7:]) for instruction in program]
+    with pytest.raises(ValueError, match=r"no C\+\+ entry point named no_such_op"):
+        cpp_build.extension().Program(count, inputs, program, outputs, False, True, 8)
 
 
 @needs_program

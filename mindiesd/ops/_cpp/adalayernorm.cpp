@@ -103,4 +103,13 @@ std::optional<Tensor> adalayernorm(
   });
 }
 
+namespace {
+
+// The executor's entry (entries.h): adalayernorm(x, scale, shift, eps) with the resolved out_dtype.
+const EntryRegistrar kAdaLayerNormEntry("adalayernorm", [](const EntryArgs& a) {
+  return mindiesd_cpu::adalayernorm(a.tensor(0), a.tensor(1), a.tensor(2), a.to_double(3), a.out_dtype());
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

@@ -89,4 +89,13 @@ std::optional<Tensor> cat_linear(
   return out.view(shape);
 }
 
+namespace {
+
+// The executor's entry (entries.h): cat_linear(xs, weight, bias).
+const EntryRegistrar kCatLinearEntry("cat_linear", [](const EntryArgs& a) {
+  return mindiesd_cpu::cat_linear(a.tensors(0), a.tensor(1), a.optional_tensor(2));
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

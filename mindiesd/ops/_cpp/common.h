@@ -15,7 +15,8 @@
 // std::nullopt for a form it does not cover; the Python wrapper then runs the
 // aten composition kernel instead.  Shapes and dtypes are validated by the
 // shared Python rules before the call; the checks here only protect memory
-// accesses and select the covered forms.
+// accesses and select the covered forms.  Each op's source also registers,
+// after its kernel, the executor's entry for the op (entries.h).
 //
 // Every source is compiled with the same flags, so the inline definitions
 // here are the same in every translation unit.  What runs once per call
@@ -24,6 +25,7 @@
 
 #pragma once
 
+#include "entries.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>

@@ -190,4 +190,15 @@ std::optional<Tensor> dequant_linear(const Tensor& x, const Tensor& weight, cons
   return out.view(sizes);
 }
 
+namespace {
+
+// The executor's entry (entries.h): dequant_linear(x, weight, weight_scale, bias, scale_first) with the resolved
+// out_dtype.
+const EntryRegistrar kDequantLinearEntry("dequant_linear", [](const EntryArgs& a) {
+  return mindiesd_cpu::dequant_linear(a.tensor(0), a.tensor(1), a.tensor(2), a.optional_tensor(3), a.to_bool(4),
+                                      a.out_dtype());
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

@@ -9,8 +9,10 @@
 // reaches, without parsing Python arguments or wrapping every result in a
 // Python object) and returns the output values.  A fused op with a C++ CPU
 // kernel calls that kernel's entry point straight, as the generated Python
-// runner does; where the entry declines the form (nullopt) or throws, the op's
-// own boxed call runs, which raises its own error.
+// runner does, through the entry its source registered under the op's name
+// (entries.h; this file names no fused op); where the entry declines the form
+// (nullopt) or throws, the op's own boxed call runs, which raises its own
+// error.
 //
 // Views and out= writes run below the autograd and view-tracking layers
 // (AutoDispatchBelowADInplaceOrView) only where that changes nothing: grad
@@ -25,6 +27,7 @@
 // eager.  The GIL is released
 // while the operators run; kernels written in Python take it back themselves.
 
+#include "entries.h"
 #include "kernels.h"
 
 #include <ATen/ScalarOps.h>
@@ -180,38 +183,13 @@ Tensor wrapped_number(const IValue& number) {
   return wrapped;
 }
 
-// The fused ops whose entry points the executor calls straight (kernels.h).
-enum class Entry : int {
-  kNone = -1,
-  kRmsNorm,
-  kAdaLayerNorm,
-  kRope,
-  kNormRope,
-  kGlu,
-  kFastGelu,
-  kLinear,
-  kLinearOut,
-  kCatLinear,
-  kLinearGelu,
-  kMulAdd,
-  kInt8Linear,
-  kDequantLinear,
-};
-
-Entry entry_named(const std::string& name) {
-  static const std::pair<const char*, Entry> kNames[] = {
-      {"rms_norm", Entry::kRmsNorm}, {"adalayernorm", Entry::kAdaLayerNorm}, {"rope", Entry::kRope},
-      {"norm_rope", Entry::kNormRope}, {"glu", Entry::kGlu}, {"fast_gelu", Entry::kFastGelu},
-      {"linear", Entry::kLinear}, {"linear_out", Entry::kLinearOut}, {"cat_linear", Entry::kCatLinear},
-      {"linear_gelu", Entry::kLinearGelu},
-      {"mul_add", Entry::kMulAdd}, {"int8_linear", Entry::kInt8Linear},
-      {"dequant_linear", Entry::kDequantLinear}};
-  for (const auto& [known, entry] : kNames) {
-    if (name == known) {
-      return entry;
-    }
+// The registered entry (entries.h) named ``name``; throws std::invalid_argument where there is none.
+EntryFn entry_named(const std::string& name) {
+  const EntryFn entry = find_entry(name);
+  if (entry == nullptr) {
+    throw std::invalid_argument("no C++ entry point named " + name);
   }
-  throw std::invalid_argument("no C++ entry point named " + name);
+  return entry;
 }
 
 // The ops whose results are views of their first argument, with sizes, strides and an offset from its own that
@@ -273,7 +251,7 @@ struct Instruction {
   std::vector<int64_t> outs;             // one per return (-1: not kept)
   std::vector<std::pair<int64_t, int64_t>> unpack;  // (element, slot) of a list returned first
   std::vector<int64_t> frees;            // slots released after this instruction
-  Entry entry = Entry::kNone;            // the straight call, where there is one
+  EntryFn entry = nullptr;               // the straight call, where there is one
   std::vector<Arg> direct;               // its arguments
   std::optional<at::ScalarType> out_dtype;
   std::vector<int64_t> order, inverse;   // a result not row-major: the adapter's permutations
@@ -285,13 +263,6 @@ struct Instruction {
 
 const Tensor& tensor_at(const std::vector<IValue>& slots, int64_t slot) {
   return slots[slot].toTensor();
-}
-
-std::optional<Tensor> optional_tensor(const IValue& value) {
-  if (value.isNone()) {
-    return std::nullopt;
-  }
-  return value.toTensor();
 }
 
 class Program {
@@ -639,63 +610,9 @@ class Program {
         }
       }
     }
-    const auto& v = values;
-    const auto dtype = [&]() { return *in.out_dtype; };
     std::optional<Tensor> result;
     try {
-      switch (in.entry) {
-        case Entry::kRmsNorm:
-          result = mindiesd_cpu::rms_norm(v[0].toTensor(), optional_tensor(v[1]), v[2].toDouble(), dtype());
-          break;
-        case Entry::kAdaLayerNorm:
-          result = mindiesd_cpu::adalayernorm(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), v[3].toDouble(), dtype());
-          break;
-        case Entry::kRope:
-          result = mindiesd_cpu::rope(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), v[3].toBool(), dtype());
-          break;
-        case Entry::kNormRope: {
-          std::vector<std::optional<Tensor>> weights;
-          for (const auto& weight : v[2].toListRef()) {
-            weights.push_back(optional_tensor(weight));
-          }
-          const std::optional<at::ScalarType> norm_dtype =
-              v[4].isNone() ? std::nullopt : std::optional<at::ScalarType>(v[4].toScalarType());
-          result = mindiesd_cpu::norm_rope(v[0].toTensorVector(), v[1].toInt(), weights, v[3].toDouble(), norm_dtype,
-                             v[5].toInt(), v[6].toTensor(), v[7].toTensor(), v[8].toBool(), dtype());
-          break;
-        }
-        case Entry::kGlu:
-          result = mindiesd_cpu::glu(v[0].toTensor(), optional_tensor(v[1]), v[2].toStringRef(), v[3].toBool());
-          break;
-        case Entry::kFastGelu:
-          result = mindiesd_cpu::fast_gelu(v[0].toTensor());
-          break;
-        case Entry::kLinear:
-          result = mindiesd_cpu::linear(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]));
-          break;
-        case Entry::kLinearOut:
-          result = mindiesd_cpu::linear_out(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]), v[3].toTensor());
-          break;
-        case Entry::kCatLinear:
-          result = mindiesd_cpu::cat_linear(v[0].toTensorVector(), v[1].toTensor(), optional_tensor(v[2]));
-          break;
-        case Entry::kLinearGelu:
-          result = mindiesd_cpu::linear_gelu(v[0].toTensor(), v[1].toTensor(), optional_tensor(v[2]));
-          break;
-        case Entry::kMulAdd:
-          result = mindiesd_cpu::mul_add(v[0].toTensor(), v[1].toTensor(), v[2].toTensor());
-          break;
-        case Entry::kInt8Linear:
-          result = mindiesd_cpu::int8_linear(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(), optional_tensor(v[3]),
-                                             optional_tensor(v[4]), v[5].toDouble(), dtype());
-          break;
-        case Entry::kDequantLinear:
-          result = mindiesd_cpu::dequant_linear(v[0].toTensor(), v[1].toTensor(), v[2].toTensor(),
-                                                optional_tensor(v[3]), v[4].toBool(), dtype());
-          break;
-        case Entry::kNone:
-          break;
-      }
+      result = in.entry(EntryArgs(values, in.out_dtype));
     } catch (const std::exception&) {
       return std::nullopt;  // the op's own path runs, and raises its own error where there is one
     }
@@ -863,7 +780,7 @@ class Program {
       return;
     }
     bool done = false;
-    if (in.entry != Entry::kNone) {
+    if (in.entry != nullptr) {
       stack.clear();  // the boxed call's stack, reused for the entry's arguments
       for (const Arg& arg : in.direct) {
         stack.push_back(value_of(arg, slots));
@@ -957,6 +874,9 @@ void bind_executor(py::module_& m) {
       .def_property_readonly("view_memo_bytes", &Program::view_memo_bytes,
                              "Bytes the view memo holds: every view op's entries and what the filled ones keep.")
       .def("__len__", &Program::size);
+  m.def("executor_entries", &entry_names,
+        "The names of the fused ops whose C++ entry points the executor calls straight (registered beside each "
+        "kernel), sorted.");
 }
 
 }  // namespace mindiesd_cpu

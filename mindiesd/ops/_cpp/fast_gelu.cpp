@@ -88,4 +88,18 @@ std::optional<Tensor> linear_gelu(const Tensor& x, const Tensor& weight, const s
   return out;
 }
 
+namespace {
+
+// The executor's entry (entries.h): fast_gelu(x).
+const EntryRegistrar kFastGeluEntry("fast_gelu", [](const EntryArgs& a) {
+  return mindiesd_cpu::fast_gelu(a.tensor(0));
+});
+
+// The executor's entry (entries.h): linear_gelu(x, weight, bias).
+const EntryRegistrar kLinearGeluEntry("linear_gelu", [](const EntryArgs& a) {
+  return mindiesd_cpu::linear_gelu(a.tensor(0), a.tensor(1), a.optional_tensor(2));
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

@@ -130,4 +130,13 @@ std::optional<Tensor> glu(
   return out;
 }
 
+namespace {
+
+// The executor's entry (entries.h): glu(x, y, activation, gate_first).
+const EntryRegistrar kGluEntry("glu", [](const EntryArgs& a) {
+  return mindiesd_cpu::glu(a.tensor(0), a.optional_tensor(1), a.to_string(2), a.to_bool(3));
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

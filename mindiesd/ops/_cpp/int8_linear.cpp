@@ -362,4 +362,15 @@ std::optional<Tensor> int8_linear(const Tensor& x, const Tensor& weight, const T
   return out;
 }
 
+namespace {
+
+// The executor's entry (entries.h): int8_linear(x, weight, weight_scale, bias, compensation, eps) with the
+// resolved out_dtype.
+const EntryRegistrar kInt8LinearEntry("int8_linear", [](const EntryArgs& a) {
+  return mindiesd_cpu::int8_linear(a.tensor(0), a.tensor(1), a.tensor(2), a.optional_tensor(3), a.optional_tensor(4),
+                                   a.to_double(5), a.out_dtype());
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

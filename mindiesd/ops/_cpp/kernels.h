@@ -5,7 +5,9 @@
 // shared by them in common.h).
 //
 // Each returns a new contiguous output, or std::nullopt when it does not
-// cover the form of its inputs (the caller then uses another kernel).
+// cover the form of its inputs (the caller then uses another kernel).  These
+// declarations serve the Python bindings (bindings.cpp); the C++ executor
+// reaches each kernel through the entry its source registers (entries.h).
 
 #pragma once
 

@@ -111,4 +111,18 @@ std::optional<Tensor> linear_out(
   return out;
 }
 
+namespace {
+
+// The executor's entry (entries.h): aten's linear(x, weight, bias).
+const EntryRegistrar kLinearEntry("linear", [](const EntryArgs& a) {
+  return mindiesd_cpu::linear(a.tensor(0), a.tensor(1), a.optional_tensor(2));
+});
+
+// The executor's entry (entries.h): aten's linear.out(x, weight, bias, out=out): the program passes out fourth.
+const EntryRegistrar kLinearOutEntry("linear_out", [](const EntryArgs& a) {
+  return mindiesd_cpu::linear_out(a.tensor(0), a.tensor(1), a.optional_tensor(2), a.tensor(3));
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

@@ -121,4 +121,13 @@ std::optional<Tensor> mul_add(const Tensor& x, const Tensor& y, const Tensor& z)
   return out;
 }
 
+namespace {
+
+// The executor's entry (entries.h): mul_add(x, y, z).
+const EntryRegistrar kMulAddEntry("mul_add", [](const EntryArgs& a) {
+  return mindiesd_cpu::mul_add(a.tensor(0), a.tensor(1), a.tensor(2));
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

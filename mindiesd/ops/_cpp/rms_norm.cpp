@@ -58,4 +58,13 @@ std::optional<Tensor> rms_norm(
   });
 }
 
+namespace {
+
+// The executor's entry (entries.h): rms_norm(x, weight, eps) with the resolved out_dtype.
+const EntryRegistrar kRmsNormEntry("rms_norm", [](const EntryArgs& a) {
+  return mindiesd_cpu::rms_norm(a.tensor(0), a.optional_tensor(1), a.to_double(2), a.out_dtype());
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

@@ -416,4 +416,20 @@ std::optional<Tensor> norm_rope(
   return out;
 }
 
+namespace {
+
+// The executor's entry (entries.h): rope(x, cos, sin, interleaved) with the resolved out_dtype.
+const EntryRegistrar kRopeEntry("rope", [](const EntryArgs& a) {
+  return mindiesd_cpu::rope(a.tensor(0), a.tensor(1), a.tensor(2), a.to_bool(3), a.out_dtype());
+});
+
+// The executor's entry (entries.h): norm_rope(xs, dim, weights (each a tensor or None), eps, norm_dtype (a dtype
+// or None), head_dim, cos, sin, interleaved) with the resolved out_dtype.
+const EntryRegistrar kNormRopeEntry("norm_rope", [](const EntryArgs& a) {
+  return mindiesd_cpu::norm_rope(a.tensors(0), a.to_int(1), a.optional_tensors(2), a.to_double(3), a.optional_dtype(4),
+                                 a.to_int(5), a.tensor(6), a.tensor(7), a.to_bool(8), a.out_dtype());
+});
+
+}  // namespace
+
 }  // namespace mindiesd_cpu

@@ -12,7 +12,8 @@ compiler or ninja, a failed build: one warning names the cause) or disabled:
 * ``MINDIESD_CPP_KERNELS=0``: keep the aten composition kernels of ``cpu.py``.
 
 An op gets a C++ kernel with one :func:`native` line here, its ``.cpp`` file in ``_cpp/`` (the build
-compiles every ``.cpp`` there) and its entry point declared in ``kernels.h`` and bound in ``bindings.cpp``.
+compiles every ``.cpp`` there; after the kernel, the file registers the C++ executor's entry for the op,
+``entries.h``) and its entry point declared in ``kernels.h`` and bound in ``bindings.cpp``.
 :func:`install` (run at import) registers the wrappers as the CPU kernels of the ops; nothing is built until
 one of them runs.
 """
