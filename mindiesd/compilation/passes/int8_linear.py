@@ -8,8 +8,9 @@ point, ``clamp`` to [-128, 127], cast to int8), ``_int_mm`` with the transposed 
 final cast), with views between them. The product takes one of two forms by CPU (torchao's
 ``_int_scaled_matmul_cpu``): int8 x int8 (with AMX tiles, or without VNNI), or, on CPUs with VNNI but no AMX, q
 shifted to uint8 (``uint8(int32(q) + 128)``) times the weight less the compensation ``128 * sum(t(w), 0)``, which
-the fused op takes (the two products are the same integers; the kernel picks its CPU's fastest). The fused op does the same arithmetic with the same roundings
-(``mindiesd/ops/defs/int8_linear.py``), so its output is bit-exact with the unfused graph's.
+the fused op takes (the two products are the same integers; the kernel picks its CPU's fastest). The fused op does
+the same arithmetic with the same roundings (``mindiesd/ops/defs/int8_linear.py``), so its output is bit-exact with
+the unfused graph's.
 
 The match starts at the layer's output and walks up through the views: the nodes from the integer GEMM to the
 output are replaced (they must have no other reader); the quantization of x is read, not claimed (a graph that
