@@ -131,9 +131,11 @@ CASES = {
     "int8_linear": {
         "bias": lambda dt: (randn(2, 5, 32, dtype=dt), _int8(24, 32),
                             (randn(24, 1, seed=2, dtype=torch.float32).abs() * 0.01).to(dt),
-                            randn(24, dtype=dt, seed=3), 1.1920928955078125e-07),
-        "float32_scales_no_bias_2d": lambda dt: (randn(7, 40, dtype=dt), _int8(16, 40),
-                                                 randn(16, seed=2, dtype=torch.float32).abs() * 0.01 + 1e-3, None, 1e-3),
+                            randn(24, dtype=dt, seed=3), None, 1.1920928955078125e-07),
+        # with the compensation of torchao's uint8 form (VNNI without AMX): 128 times the weight's column sums
+        "float32_scales_no_bias_2d_compensated": lambda dt: (
+            randn(7, 40, dtype=dt), _int8(16, 40), randn(16, seed=2, dtype=torch.float32).abs() * 0.01 + 1e-3, None,
+            _int8(16, 40).sum(1, dtype=torch.int32).mul(128).view(1, 16), 1e-3),
     },
     "dequant_linear": {
         "float8_scale_first": lambda dt: (randn(2, 5, 32, dtype=dt),
