@@ -25,6 +25,7 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 
 #include <array>
 #include <cmath>
@@ -144,6 +145,21 @@ constexpr int64_t kDotRows = 4;
 
 std::atomic<int> gemm_choice{static_cast<int>(IntegerGemm::kAuto)};
 
+// Whether ATen's _int_mm takes a uint8 left operand (torch 2.12 on, where torchao takes its uint8 form too): asked
+// once, of _int_mm itself.
+bool int_mm_takes_uint8() {
+  static const bool takes = [] {
+    try {
+      at::_int_mm(at::zeros({8, 8}, at::TensorOptions().dtype(ScalarType::Byte)),
+                  at::zeros({8, 8}, at::TensorOptions().dtype(ScalarType::Char)));
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return takes;
+}
+
 // The product's form for this CPU and call: oneDNN's int8 GEMM where it has int8 instructions, else float32.
 IntegerGemm resolve(IntegerGemm chosen, bool compensated, int64_t rows) {
   if (chosen == IntegerGemm::kAuto) {
@@ -163,6 +179,9 @@ IntegerGemm resolve(IntegerGemm chosen, bool compensated, int64_t rows) {
            at::Float32Precision::BF16 ||
        at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) ==
            at::Float32Precision::TF32)) {
+    chosen = IntegerGemm::kSigned;
+  }
+  if (chosen == IntegerGemm::kUnsigned && !int_mm_takes_uint8()) {
     chosen = IntegerGemm::kSigned;
   }
   return chosen;
