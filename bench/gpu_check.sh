@@ -27,7 +27,7 @@ done
 MODEL_VS="--dtype bf16 --device cuda --capture --vs inductor --vs inductor-ro --markdown"
 
 STEPS=(
-  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_codegen.py tests/compile/test_kernel_choice.py"
+  "tests|150|python -m pytest -rfE --tb=line -q -p no:cacheprovider tests/compile/test_cuda_graphs.py tests/ops/test_triton_kernels.py tests/compile/test_layout.py tests/compile/test_gemm.py tests/compile/test_python_runner.py tests/compile/test_kernel_choice.py"
   "ops_cuda_bf16|60|python -m mindiesd bench ops --device cuda --dtype bf16 --no-inductor --markdown --json $OUT_DIR/ops_cuda_bf16.json"
   "flux_wide_bf16|150|python -m mindiesd bench model --model flux --size wide $MODEL_VS --json $OUT_DIR/flux_wide_bf16.json"
   "flux_mid_bf16|80|python -m mindiesd bench model --model flux --size mid $MODEL_VS --json $OUT_DIR/flux_mid_bf16.json"

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cache_command(args: argparse.Namespace) -> int:
-    from .compilation import cache, config
+    from .compilation import config
+    from .compilation.storage import cache
     from .compilation.report import plural
 
     chosen = args.cache_dir if args.cache_dir is not None else config.CompilationConfig.cache_dir
@@ -128,7 +129,7 @@ def _limit_text() -> str:
 
 def _untrusted(folder: Any) -> str | None:
     """Why the cache folder itself is not trusted, or None (also when it does not exist yet)."""
-    from .compilation import cache
+    from .compilation.storage import cache
     from .compilation.config import CompilationConfig
 
     if not folder.is_dir():

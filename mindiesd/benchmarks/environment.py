@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import __version__ as MINDIESD_VERSION
-from ..compilation import cache as _cache
+from ..compilation.storage import cache as _cache
 from ..compilation import config as _config
-from ..compilation.device_graph import adapter_for
+from ..compilation.runtime.device_graph import adapter_for
 from ..compilation.report import plural
 from ..ops import registry
 from ..ops.kernels import cpp as _cpp_kernels

@@ -146,7 +146,7 @@ def _report_fields(backend: Any) -> dict[str, Any]:
 def _aot_fields(model: torch.nn.Module, backend: Any) -> dict[str, Any]:
     """The row's fusion and cache columns for a model compiled by ``aot_compile``: counts as the artifacts
     recorded them (a loaded artifact was not compiled here), ``graphs`` = artifacts, ``cache`` = how they came."""
-    from ..compilation.aot import aot_forwards
+    from ..compilation.ahead_of_time import aot_forwards
 
     forwards = aot_forwards(model)
     fields = _report_fields(backend)
@@ -178,7 +178,7 @@ def _regional_variant(model: torch.nn.Module, inputs: dict, reference: Any, back
     blocks_model = copy.deepcopy(model)
     blocks_model._repeated_blocks = list(classes)  # what the class declares, or its ModuleList's block class
     if aot:
-        from ..compilation.aot import aot_compile
+        from ..compilation.ahead_of_time import aot_compile
 
         aot_compile(blocks_model, backend, regional=True)
     else:
@@ -267,7 +267,7 @@ def run_case(
             _synchronize(device)
 
             if aot:
-                from ..compilation.aot import aot_compile
+                from ..compilation.ahead_of_time import aot_compile
 
                 compiled = aot_compile(copy.deepcopy(model), backend)
             else:
@@ -312,7 +312,7 @@ def run_case(
                     runners["inductor-ro"] = lambda: reduce_overhead(**inputs)
             if capture:
                 row.update(dict.fromkeys(CAPTURE_COLUMNS))
-                from ..compilation.device_graph import adapter_for
+                from ..compilation.runtime.device_graph import adapter_for
 
                 if adapter_for(device) is None:
                     progress.note(f"no device graph on {device.type}: capture columns left empty")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from .aot import AotForward, aot_compile, aot_forwards
+from .ahead_of_time import AotForward, aot_compile, aot_forwards
 from .backend import MindieSDBackend, MindieSDFallbackWarning
-from .cache import MindieSDCacheWarning
+from .storage.cache import MindieSDCacheWarning
 from .config import (
     CompilationConfig,
     CompilationConfigError,
@@ -21,7 +21,7 @@ from .config import (
     SettingTypeError,
     UnknownSettingError,
 )
-from .device_graph import (
+from .runtime.device_graph import (
     DanglingCaptureError,
     DeviceGraphCaptureWarning,
     DeviceGraphRunner,

@@ -30,20 +30,18 @@ from torch.fx import GraphModule
 import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 
 from .families import check_known
-from . import cache as graph_cache
-from .choice import choose_kernels
-from .codegen import compiled_code, traced_facts
-from .executor import runner
+from .storage import cache as graph_cache
+from .runtime.kernel_choice import choose_kernels
+from .runtime.python_runner import compiled_code, traced_facts
+from .runtime.executor import runner
 from .config import CompilationConfig
 from .context import GraphContext
-from .device_graph import DeviceGraphRunner, wrap_for_capture
+from .runtime.device_graph import DeviceGraphRunner, wrap_for_capture
 from .freezing import FrozenGraph, constant_inputs, split_constants
-from .fx_utils import drop_copies
 from .graph_log import GraphLog, resolve_log_dir
-from .into import write_into
-from .layout_checks import restore_layout_checks
+from .cleanup import AFTER_FUSION, CleanupStep
+from .cleanup.layout_checks import restore_layout_checks
 from .pass_manager import PassManager
-from .tidy import tidy
 from .report import CompileReport, GraphRecord, fusion_report
 
 log = logging.getLogger("mindiesd.compilation")
@@ -121,7 +119,7 @@ class MindieSDBackend:
 
     def compile_for_artifact(self, gm: GraphModule, example_inputs: List[Any]) -> graph_cache.CachedGraph:
         """The fused graph of ``gm`` as the persistent cache stores it, for an ahead-of-time artifact
-        (:mod:`mindiesd.compilation.aot`); ValueError saying why a graph cannot be stored (a training graph, or
+        (:mod:`mindiesd.compilation.ahead_of_time`); ValueError saying why a graph cannot be stored (a training graph, or
         one whose calling convention aot changes). Recorded in :meth:`report` like any compile."""
         record = GraphRecord(graph_id=next(_graph_ids), nodes_before=_node_count(gm))
         start = time.perf_counter()
@@ -149,7 +147,7 @@ class MindieSDBackend:
                           result: Optional["CompiledGraph"], graph_id: int) -> Callable[..., Any]:
         frozen = result.frozen if result is not None else None
         compiled = wrap_for_capture(compiled, self.config, context.device, context.weights, label=f"graph {graph_id}",
-                                    reads=_folded_reader(frozen) if frozen is not None else None)
+                                    reads=folded_reader(frozen) if frozen is not None else None)
         if isinstance(compiled, DeviceGraphRunner):
             self.runners.append(compiled)
         return compiled
@@ -199,7 +197,7 @@ class CompiledGraph:
 
 
 @dataclass(frozen=True)
-class Frozen:
+class FreezeResult:
     """The freeze stage's result: the fold/main split (None: nothing folded or not frozen), the freeze-stage
     rewrites per family, and the freeze-stage families not run, with why."""
 
@@ -272,13 +270,13 @@ def _as_traced(aten_gm: GraphModule, aten_inputs: Sequence[Any]) -> Callable[...
 
 
 def freeze(context: GraphContext, aten_gm: GraphModule, aten_inputs: int, passes: PassManager,
-           graph_log: GraphLog) -> Frozen:
+           graph_log: GraphLog) -> FreezeResult:
     """The freeze-stage rewrites on the whole aten graph, then its split into a fold graph (what depends on weights
     alone) and the main graph."""
     rewrites = {fusion.family: 0 for fusion in passes.freeze_passes}
     why_not = context.why_not_frozen(aten_inputs)
     if why_not is not None:
-        return Frozen(None, rewrites, dict.fromkeys(rewrites, why_not))
+        return FreezeResult(None, rewrites, dict.fromkeys(rewrites, why_not))
     if passes.freeze_passes:  # rewrites whose weight-only part the split folds (LoRA adapters stay unfolded)
         rewrites = passes.run_freeze(aten_gm, constant_inputs(aten_gm, context.rewritable_weights), graph_log)
     # a freeze pass that rewrote nothing says why where it knows (linear layers over quantized weights)
@@ -287,31 +285,24 @@ def freeze(context: GraphContext, aten_gm: GraphModule, aten_inputs: int, passes
     frozen = split_constants(aten_gm, context.weights)
     if frozen is not None:
         graph_log.graph("freezing", frozen.main)
-    return Frozen(frozen, rewrites, skipped)
+    return FreezeResult(frozen, rewrites, skipped)
 
 
-def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: PassManager,
+def fuse(context: GraphContext, frozen: FreezeResult, aten_gm: GraphModule, passes: PassManager,
          graph_log: GraphLog) -> CompiledGraph:
     """The fusion-stage passes on the main graph (the aten graph where nothing was folded)."""
     split = frozen.graph
     target = split.main if split is not None else aten_gm
     matches = {**frozen.rewrites, **passes.run(target, graph_log)}
-    choices: Tuple[str, ...] = ()
-    if context.measuring and context.device is not None:  # each fused site keeps its op only where it wins
-        chosen = choose_kernels(target, context.device)
-        choices = tuple(c.describe() for c in chosen)
-        for line in choices:
-            log.info("graph kernel choice: %s", line)
-        graph_log.graph("kernel_choice", target)
-    dropped = drop_copies(target.graph)
-    if dropped:
-        log.debug("removed %d copies of computed values", dropped)
-    tidied = tidy(target.graph)
-    log.debug("calls removed after fusion: %s", tidied)
-    target.graph.eliminate_dead_code()
-    written = write_into(target.graph)  # last: the graph writes in place from here on
-    if written:
-        log.debug("copies removed by writing into their destination: %d", written)
+    steps = list(AFTER_FUSION)
+    chosen: List[Any] = []
+    if context.measuring and context.device is not None:  # first, each fused site keeps its op only where it wins
+        steps.insert(0, _kernel_choice(context.device, chosen))
+    changed = passes.run_steps(steps, target, graph_log)
+    log.debug("after fusion: %s", changed)
+    choices = tuple(c.describe() for c in chosen)
+    for line in choices:
+        log.info("graph kernel choice: %s", line)
     target.recompile()
     forward = runner(target)
     return CompiledGraph(
@@ -321,6 +312,17 @@ def fuse(context: GraphContext, frozen: Frozen, aten_gm: GraphModule, passes: Pa
         nodes_after=_node_count(target) + (_node_count(split.fold) if split is not None else 0),
         kernel_choices=choices,
     )
+
+
+def _kernel_choice(device: torch.device, chosen: List[Any]) -> CleanupStep:
+    """The step that keeps each fused site's op only where it is faster on ``device`` (it measures); what it
+    chose is added to ``chosen``."""
+
+    def choose(gm: GraphModule) -> int:
+        chosen.extend(choose_kernels(gm, device))
+        return len(chosen)
+
+    return CleanupStep("kernel_choice", choose)
 
 
 def store(context: GraphContext, compiled: CompiledGraph) -> CompiledGraph:
@@ -354,7 +356,7 @@ def cached_entry(compiled: CompiledGraph) -> graph_cache.CachedGraph:
 # ------------------------------------------------------------------------------------------------- run time
 
 
-def _folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]:
+def folded_reader(frozen: FrozenGraph) -> Callable[..., Sequence[torch.Tensor]]:
     """What a capture of the graph reads besides its arguments: the folded constants of these weights."""
 
     def reads(*args: Any) -> Sequence[torch.Tensor]:

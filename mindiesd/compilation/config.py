@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-from ..ops.trust import TRUST_ENV_VAR  # noqa: F401  (public here too)
-from ..ops.trust import trust_foreign_owner_from_env as default_trust_foreign_owner
+from ..files.trust import TRUST_ENV_VAR  # noqa: F401  (public here too)
+from ..files.trust import trust_foreign_owner_from_env as default_trust_foreign_owner
 from .families import FAMILIES
 
 __all__ = [

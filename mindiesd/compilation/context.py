@@ -10,11 +10,11 @@ import torch
 from torch.fx import GraphModule
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import cache as graph_cache
-from . import choice
+from .storage import cache as graph_cache
+from .runtime import kernel_choice
 from .config import CompilationConfig
 from .pass_manager import skip_reason
-from .sizes import SymbolicSizes
+from .storage.symbolic_sizes import SymbolicSizes
 
 __all__ = ["GraphContext"]
 
@@ -59,13 +59,13 @@ class GraphContext:
     def build(cls, gm: GraphModule, example_inputs: Sequence[Any], config: CompilationConfig,
               force: FrozenSet[str] = frozenset(), cached: bool = True) -> "GraphContext":
         """The context of ``gm`` with these inputs under ``config``; ``cached=False`` leaves the cache out."""
-        weights = tuple(i for i, t in enumerate(example_inputs) if _is_weight(t))
+        weights = tuple(i for i, t in enumerate(example_inputs) if is_weight(t))
         device = _device_of(example_inputs)
         device_type = device.type if device is not None else None
         enabled = config.fusion_patterns.enabled_families() if config.fuse else ()
-        measuring = config.fuse and choice.measuring(config.kernel_choice, device_type, config.capture)
+        measuring = config.fuse and kernel_choice.measuring(config.kernel_choice, device_type, config.capture)
         if measuring:  # fused even where declared slower: each site is measured and keeps the op only if it wins
-            force = frozenset(force) | {f for f in choice.measured_families()
+            force = frozenset(force) | {f for f in kernel_choice.measured_families()
                                         if skip_reason(f, device_type, set(force) | {f}) is None}
         skipped = {f: why for f in enabled if (why := skip_reason(f, device_type, force)) is not None}
         training = torch.is_grad_enabled() and any(
@@ -120,7 +120,7 @@ def _plain_tensors(value: Any) -> int:
     return sum(_plain_tensors(getattr(value, name)) for name in names)
 
 
-def _is_weight(t: Any) -> bool:
+def is_weight(t: Any) -> bool:
     """Parameters and buffers: Dynamo marks them as static inputs."""
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
 

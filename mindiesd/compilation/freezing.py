@@ -360,9 +360,9 @@ class FrozenGraph:
     def bind(self, run_main: Callable[..., Any]) -> Callable[..., Any]:
         """The callable on the original inputs: folded values (cached) plus the inputs main still reads."""
         main_inputs, folded_for = self.main_inputs, self.folded_for
-        from .executor import Executed
+        from .runtime.executor import CppRunner
 
-        if isinstance(run_main, Executed):  # the program chooses the inputs itself
+        if isinstance(run_main, CppRunner):  # the program chooses the inputs itself
             return run_main.bound(main_inputs, folded_for)
 
         def run(*args: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Runs the enabled fusion passes in order, timing each and logging the graph before and after.
+"""Runs the enabled fusion passes in order, then the clean-up steps after them, timing each and logging the graph
+before and after.
 
 A family is run only where its op has a kernel that beats eager's op sequence on the graph's device (declared
 with the op's kernels, or registered by the user), or is forced; elsewhere it is skipped and the reason
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Collection, Dict, Optional, Sequence, Set
+from typing import Any, Callable, Collection, Dict, Optional, Sequence, Set
 
 from torch.fx import GraphModule, Node
 
@@ -55,22 +56,35 @@ class PassManager:
 
     def _apply(self, passes: Sequence[Any], gm: GraphModule, graph_log: GraphLog, *extra: Any) -> Dict[str, int]:
         matches: Dict[str, int] = {}
-        debug = log.isEnabledFor(logging.DEBUG)
         for fusion in passes:
-            before = graph_text(gm) if (debug or graph_log.enabled) else ""
-            start = time.perf_counter()
-            matches[fusion.family] = fusion(gm, *extra)
-            seconds = time.perf_counter() - start
+            matches[fusion.family] = _logged(fusion.family, gm, graph_log, lambda: fusion(gm, *extra),
+                                             "fused")
             for family, joined in getattr(fusion, "consumed", {}).items():  # ops a later pass joined into its own
                 if family in matches:
                     matches[family] -= joined
-            if debug:
-                log.debug("pass %s: %d fused in %.3f s\n--- before ---\n%s\n--- after ---\n%s",
-                          fusion.family, matches[fusion.family], seconds, before, graph_text(gm))
-            graph_log.pass_pair(fusion.family, before, gm)
         return matches
+
+    @staticmethod
+    def run_steps(steps: Sequence[Any], gm: GraphModule, graph_log: GraphLog) -> Dict[str, Any]:
+        """Run the clean-up ``steps`` (:class:`~mindiesd.compilation.cleanup.CleanupStep`) on ``gm`` in order, as
+        the passes are run: each timed, logged and in the graph log; returns what each changed, by name."""
+        return {step.name: _logged(step.name, gm, graph_log, lambda: step.run(gm), "changed") for step in steps}
 
     def rule_hits(self) -> Dict[str, int]:
         """Rewrites per rule, as ``"family:rule"``, over the runs of this manager (rules that never fired left out)."""
         return {f"{fusion.family}:{rule}": n for fusion in self.freeze_passes + self.passes
                 for rule, n in fusion.hits.items()}
+
+
+def _logged(name: str, gm: GraphModule, graph_log: GraphLog, run: Callable[[], Any], verb: str) -> Any:
+    """``run()``, timed, with the graph before and after at debug level and in the graph log."""
+    debug = log.isEnabledFor(logging.DEBUG)
+    before = graph_text(gm) if (debug or graph_log.enabled) else ""
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    if debug:
+        log.debug("pass %s: %s %s in %.3f s\n--- before ---\n%s\n--- after ---\n%s",
+                  name, result, verb, seconds, before, graph_text(gm))
+    graph_log.pass_pair(name, before, gm)
+    return result

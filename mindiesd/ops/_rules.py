@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 import torch
 
-from ._layout import output_layout, restride
+from .layout import output_layout, restride
 from .dtypes import is_compute_float, promoted
 
 REDUCED_FLOAT_DTYPES = (torch.float16, torch.bfloat16)

@@ -4,7 +4,7 @@ Each function is a plain composition of aten ops and is the definition of
 correct for its operator: every device kernel is tested against it.  The
 arithmetic runs in the compute dtype (float32 for float16/bfloat16 inputs,
 otherwise the promoted dtype) and is rounded once, at the end, to the output
-dtype.  Outputs have the layout of ``mindiesd.ops._layout``'s rule (that of
+dtype.  Outputs have the layout of ``mindiesd.ops.layout``'s rule (that of
 the op sequence each one replaces), matching the fake kernels.  The
 functions are differentiable, so ``mindiesd.ops`` also uses them whenever
 autograd needs a gradient.

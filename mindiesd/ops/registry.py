@@ -5,7 +5,7 @@ with :func:`declare`, which defines ``torch.ops.mindiesd.<name>`` with the refer
 ``CompositeExplicitAutograd`` (any device) and, for tracing, the fake derived from the output dtype and the
 layout rule. Kernel modules register themselves with
 the op object (:func:`kernel`), saying per device whether the kernel is faster than eager's op sequence; each
-registered kernel runs behind ``_layout.conform``, which gives its contiguous output the op's layout.
+registered kernel runs behind ``layout.conform``, which gives its contiguous output the op's layout.
 
 The ops are defined with ``torch.library.Library`` (lower per-call overhead than ``custom_op``) and have no
 autograd kernel: the public functions run the reference when a gradient is needed. Registration happens once
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _layout
+from . import layout
 
 __all__ = ["OpDef", "DeviceKernel", "OPS", "SCHEMAS", "DEVICE_KERNELS", "DISPATCH_KEYS", "declare", "declare_kernel",
            "kernel", "register_device_kernel", "register_device_kernels", "public_function"]
@@ -54,7 +54,7 @@ class OpDef:
 
     #: ``name(arguments) -> Tensor``; the op's name is the schema's.
     schema: str
-    #: The output layout rule (``_layout.LAYOUTS``).
+    #: The output layout rule (``layout.LAYOUTS``).
     layout: str
     #: The definition of correct (differentiable aten composition).
     reference: Callable[..., torch.Tensor]
@@ -78,15 +78,15 @@ class OpDef:
 
     def __post_init__(self) -> None:
         self.name = self.schema.partition("(")[0]
-        if self.layout not in _layout.LAYOUTS:
-            raise ValueError(f"op {self.name!r}: layout must be one of {_layout.LAYOUTS}, got {self.layout!r}")
+        if self.layout not in layout.LAYOUTS:
+            raise ValueError(f"op {self.name!r}: layout must be one of {layout.LAYOUTS}, got {self.layout!r}")
         if self.output_dtype is None:
             self.output_dtype = _first_checked(self.reference, self.checks)
 
     def fake(self, *args, **kwargs) -> torch.Tensor:
         """An uninitialised output with the op's shape, dtype and layout, for fake and meta tensors."""
         args = (*args, *kwargs.values())
-        return _layout.empty_output(self.name, args[:self.layout_args], self.output_dtype(*args))
+        return layout.empty_output(self.name, args[:self.layout_args], self.output_dtype(*args))
 
     @property
     def overload(self):
@@ -134,7 +134,7 @@ def declare(op: OpDef) -> OpDef:
     if known is not None:
         return known
     OPS[op.name], SCHEMAS[op.name] = op, op.schema
-    _layout.declare(op.name, op.layout, op.table_args, op.kernel_arity, op.rows, op.checks)
+    layout.declare(op.name, op.layout, op.table_args, op.kernel_arity, op.rows, op.checks)
     if not hasattr(getattr(torch.ops, NAMESPACE), op.name):
         LIBRARY.define(op.schema)
         LIBRARY.impl(op.name, op.reference, "CompositeExplicitAutograd")
@@ -155,12 +155,12 @@ def register_device_kernel(name: str, device_type: str, kernel: Callable[..., to
     """Register ``kernel`` as the implementation of op ``name`` on ``device_type``.
 
     The kernel takes the schema arguments positionally and returns a contiguous tensor; the registered op
-    gives it the rule's layout (``mindiesd.ops._layout``).
+    gives it the rule's layout (``mindiesd.ops.layout``).
     """
     if name not in SCHEMAS:
         raise ValueError(f"mindiesd.ops: unknown operator {name!r}; known: {sorted(SCHEMAS)}")
     key = _dispatch_key(device_type)
-    conformed = _layout.conform(name, kernel)
+    conformed = layout.conform(name, kernel)
     slot = _SLOTS.get((name, key))
     if slot is not None:
         slot[0] = conformed

@@ -19,7 +19,7 @@ import mindiesd  # noqa: E402
 from mindiesd.__main__ import build_parser, main  # noqa: E402
 from mindiesd.benchmarks import environment, models  # noqa: E402
 from mindiesd.compilation import CompilationConfig  # noqa: E402
-from mindiesd.compilation import device_graph as _device_graph  # noqa: E402
+from mindiesd.compilation.runtime import device_graph as _device_graph  # noqa: E402
 from mindiesd.ops import registry  # noqa: E402
 from mindiesd.ops.kernels import cpp as _cpp_kernels  # noqa: E402
 

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import mindiesd
-from mindiesd.compilation.cache import _source_hash
+from mindiesd.compilation.storage.cache import _source_hash
 
 PACKAGE = Path(mindiesd.__file__).resolve().parent
 

@@ -25,7 +25,7 @@ from mindiesd.compilation import (  # noqa: E402
     MindieSDFallbackWarning,
     aot_compile,
 )
-from mindiesd.compilation import cache as graph_cache  # noqa: E402
+from mindiesd.compilation.storage import cache as graph_cache  # noqa: E402
 from mindiesd.compilation.families import SPEC_FAMILIES  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -238,9 +238,9 @@ def test_a_torch_without_ahead_of_time_compilation_falls_back_to_torch_compile_w
                                                                                                monkeypatch):
     """Where torch lacks ahead-of-time compilation (torch._dynamo.aot_compile_types), the forward runs through
     torch.compile, and one warning names the torch version."""
-    from mindiesd.compilation import aot
+    from mindiesd.compilation import ahead_of_time
 
-    monkeypatch.setattr(aot, "_Serializable", object)
+    monkeypatch.setattr(ahead_of_time, "_Serializable", object)
     model = aot_compile(_NormLinear().eval(), MindieSDBackend(CompilationConfig(cache_dir=str(tmp_path))))
     x = torch.randn(2, 5, 16)
     out, messages, _ = _run_twice(model, x)

@@ -101,7 +101,7 @@ def test_all_switches_off_gives_no_fused_op():
 
 
 def test_aclgraph_only_skips_fusion_and_with_compile_wins():
-    from mindiesd.compilation import device_graph
+    from mindiesd.compilation.runtime import device_graph
 
     device_graph._warned_unavailable.clear()
     with pytest.warns(DeviceGraphUnavailableWarning, match="capture .* is unavailable on cpu"):

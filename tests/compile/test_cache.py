@@ -22,9 +22,9 @@ import torch
 
 from fusion_utils import AddsTable, WeightedBlock, assert_close, count_fused
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
-from mindiesd.compilation import cache as graph_cache
+from mindiesd.compilation.storage import cache as graph_cache
 from mindiesd.compilation import config as config_module
-from mindiesd.compilation.cache import GraphCache, MindieSDCacheWarning
+from mindiesd.compilation.storage.cache import GraphCache, MindieSDCacheWarning
 
 
 def _compile_and_run(model, *args, cache_dir, **settings):

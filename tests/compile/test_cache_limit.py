@@ -16,8 +16,8 @@ import torch
 
 from fusion_utils import AddsTable, WeightedBlock, assert_close
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDCacheWarning, aot_compile
-from mindiesd.compilation import cache as graph_cache
-from mindiesd.compilation.cache import CacheFolder, GraphCache
+from mindiesd.compilation.storage import cache as graph_cache
+from mindiesd.compilation.storage.cache import CacheFolder, GraphCache
 
 
 def _entry(size: int) -> graph_cache.CachedGraph:

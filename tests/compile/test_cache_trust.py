@@ -21,7 +21,7 @@ import torch
 
 from fusion_utils import WeightedBlock, assert_close
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDCacheWarning
-from mindiesd.compilation import cache as graph_cache
+from mindiesd.compilation.storage import cache as graph_cache
 from mindiesd.compilation import config as config_module
 
 FOREIGN_UID = 12345
@@ -139,7 +139,7 @@ def test_the_reasons_name_the_rule(tmp_path):
 def test_a_folder_writable_by_the_owners_private_group_is_accepted(tmp_path):
     """A umask of 002 makes folders group-writable; a group of the owner alone (Debian's user private group) is
     as good as the owner, as Debian's sshd judges it."""
-    if not graph_cache._private_group(os.getuid(), os.getgid()):
+    if not graph_cache.private_group(os.getuid(), os.getgid()):
         pytest.skip("this user's primary group is not a private one")
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
-from mindiesd.compilation.device_graph import StreamGraphAdapter
+from mindiesd.compilation.runtime.device_graph import StreamGraphAdapter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

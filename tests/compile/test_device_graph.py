@@ -203,7 +203,7 @@ def test_aclgraph_only_captures_without_fusion_and_with_compile_wins(adapter):
 
 
 def test_cpu_without_adapter_warns_once_and_runs_uncaptured():
-    from mindiesd.compilation import device_graph
+    from mindiesd.compilation.runtime import device_graph
 
     device_graph._warned_unavailable.clear()
     model = Block()

@@ -1,4 +1,4 @@
-"""The C++ executor of fused graphs (``compilation/executor.py``, ``ops/_cpp/executor.cpp``): it runs every registry
+"""The C++ executor of fused graphs (``compilation/runtime/executor.py``, ``ops/_cpp/executor.cpp``): it runs every registry
 model's graph, bit for bit what the generated Python runner computes; it keeps that runner where it cannot run a
 graph (symbolic sizes, a profiler recording, no C++ kernels), and calls Python kernels, autograd and writes in
 place as a Python call of each op would."""
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from fusion_utils import assert_close, run_compiled
 from mindiesd import zoo
-from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning, codegen, executor
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from mindiesd.compilation.runtime import executor, python_runner
 from mindiesd.ops.kernels import cpp, cpp_build
 
 needs_program = pytest.mark.skipif(
@@ -28,9 +29,9 @@ class _Outcomes(list):
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Whether each Executed runner built its program (True) or kept the generated runner (False)."""
+    """Whether each CppRunner runner built its program (True) or kept the generated runner (False)."""
     outcomes = _Outcomes()
-    real = executor.Executed._build
+    real = executor.CppRunner._build
 
     def recording(self, args=()):
         program = real(self, args)
@@ -39,7 +40,7 @@ def builds(monkeypatch):
         outcomes.append(program is not False or _symbolic(self.gm))
         return program
 
-    monkeypatch.setattr(executor.Executed, "_build", recording)
+    monkeypatch.setattr(executor.CppRunner, "_build", recording)
     return outcomes
 
 
@@ -73,7 +74,7 @@ def test_every_registry_model_runs_in_the_executor_bit_for_bit_as_the_python_run
     with torch.no_grad():
         expected = case.model(**case.inputs)[0]
     python_first, python_second = _compiled_output(case, monkeypatch, use_executor=False)
-    assert builds == []  # no Executed runner at all
+    assert builds == []  # no CppRunner runner at all
     first, second = _compiled_output(case, monkeypatch, use_executor=True)
     assert builds and all(builds), f"{name}: the executor did not run its graph"
     assert torch.equal(first, python_first) and torch.equal(second, python_second)
@@ -219,7 +220,7 @@ def test_executor_off_by_environment_keeps_the_generated_runner(builds, monkeypa
     with torch.no_grad():
         actual, expected, _, backend = run_compiled(_block, *args)
     assert builds == []
-    assert not isinstance(codegen.runner(backend.graphs[0]), executor.Executed)
+    assert not isinstance(python_runner.runner(backend.graphs[0]), executor.CppRunner)
     assert_close(actual, expected)
 
 
@@ -559,8 +560,8 @@ def test_bound_runs_in_cpp_says_whether_the_program_runs():
     aten = torch.ops.aten
     gm = _graph(lambda x: (aten.mul.Tensor(x, 2.0),), torch.randn(3))
     runner = executor.runner(gm, {})
-    assert isinstance(runner, executor.Executed)
+    assert isinstance(runner, executor.CppRunner)
     assert runner.inference().runs_in_cpp is True
     assert runner.bound([0], lambda args: ()).runs_in_cpp is True
     python_only = executor.runner(torch.fx.symbolic_trace(lambda x: (torch.sin(x) + 1,)), {})
-    assert not isinstance(python_only, executor.Executed) or python_only.inference().runs_in_cpp is False
+    assert not isinstance(python_only, executor.CppRunner) or python_only.inference().runs_in_cpp is False

@@ -1,4 +1,4 @@
-"""Each fused op site runs what measured fastest on the device (``compilation/choice.py``): the op where it wins, an
+"""Each fused op site runs what measured fastest on the device (``compilation/runtime/kernel_choice.py``): the op where it wins, an
 ATen composition or the reference's aten ops where they do. The mechanism runs on the CPU with the CPU's
 candidates; a timer double decides the winners where a test needs a given outcome."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fusion_utils import assert_close
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
-from mindiesd.compilation import choice as choice_module
+from mindiesd.compilation.runtime import kernel_choice as choice_module
 from mindiesd.compilation.config import SettingTypeError
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fusion_utils import assert_close, only, run_compiled
 from mindiesd.benchmarks.ops import eager_rope, eager_rope_rotate_half
 from mindiesd.compilation import MindieSDFallbackWarning
-from mindiesd.ops import _layout
+from mindiesd.ops import layout as op_layout
 
 B, S, H, D = 2, 6, 3, 16
 DTYPES = [torch.float32, torch.bfloat16]
@@ -57,7 +57,7 @@ def check_layout(fn, family, *args, dtype=torch.float32, count=1):
     """Compile ``fn(*args)`` followed by a view that needs eager's layout; assert fused, equal, no fallback."""
     with torch.no_grad():
         eager = fn(*args)
-    order = _layout._memory_order(tuple(eager.shape), eager.stride())
+    order = op_layout._memory_order(tuple(eager.shape), eager.stride())
 
     def with_view(*a):
         y = fn(*a)
@@ -204,7 +204,7 @@ def test_op_layout_is_the_rule_in_every_implementation(op, name):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = layout(name)
-    expected = _layout.output_layout(op, _inputs_of(op, x))[1]
+    expected = op_layout.output_layout(op, _inputs_of(op, x))[1]
     kernel = OPS[op](x, ops)
     assert kernel.stride() == expected
     ref = OPS[op](x, reference)
@@ -226,14 +226,14 @@ def test_rule_matches_eager_sequences(name):
     """The rule is eager's: each op's layout equals that of the sequence it replaces, on real tensors."""
     x = layout(name)
     w = _randn(D, seed=1)
-    assert _layout.output_layout("rms_norm", (x,))[1] == _rms_explicit(x, w).stride()
-    assert _layout.output_layout("fast_gelu", (x,))[1] == F.gelu(x, approximate="tanh").stride()
+    assert op_layout.output_layout("rms_norm", (x,))[1] == _rms_explicit(x, w).stride()
+    assert op_layout.output_layout("fast_gelu", (x,))[1] == F.gelu(x, approximate="tanh").stride()
     cos, sin = _cos_sin()
-    assert _layout.output_layout("rope", (x,))[1] == _rope_flux(x, cos, sin).stride()
+    assert op_layout.output_layout("rope", (x,))[1] == _rope_flux(x, cos, sin).stride()
     scale = _randn(B, 1, 1, D, seed=2)
-    assert _layout.output_layout("adalayernorm", (x,))[1] == _adaln(x, scale, scale).stride()
+    assert op_layout.output_layout("adalayernorm", (x,))[1] == _adaln(x, scale, scale).stride()
     y, z = _randn(B, 1, 1, D), _randn(B, H, S, D)
-    assert _layout.output_layout("mul_add", (y, x, z))[1] == (y * x + z).stride()
+    assert op_layout.output_layout("mul_add", (y, x, z))[1] == (y * x + z).stride()
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -252,7 +252,7 @@ def test_conform_gives_every_cpu_kernel_the_rule(implementation, op, name):
     kernels = _cpu.KERNELS if implementation == "composition" else _cpp_kernels.KERNELS
     x = layout(name)
     ref = OPS[op](x, reference)
-    out = OPS[op](x, _Positional({k: _layout.conform(k, kernels[k]) for k in kernels}))
+    out = OPS[op](x, _Positional({k: op_layout.conform(k, kernels[k]) for k in kernels}))
     assert out.stride() == ref.stride()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

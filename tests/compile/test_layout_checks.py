@@ -1,4 +1,4 @@
-"""What aot decides on fake strides is checked on the real ones (``compilation/layout_checks.py``): a group norm
+"""What aot decides on fake strides is checked on the real ones (``compilation/cleanup/layout_checks.py``): a group norm
 of a tensor whose fake and real strides differ in a dim of size 1 runs as eager does, under both runners."""
 
 from collections import Counter
@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from fusion_utils import aten_graph, assert_close, run_compiled
-from mindiesd.compilation import CompilationConfig, executor
-from mindiesd.compilation.layout_checks import restore_layout_checks
+from mindiesd.compilation import CompilationConfig
+from mindiesd.compilation.runtime import executor
+from mindiesd.compilation.cleanup.layout_checks import restore_layout_checks
 
 aten = torch.ops.aten
 

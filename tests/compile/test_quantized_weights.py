@@ -10,7 +10,7 @@ from torch import nn
 
 from fusion_utils import FAMILIES, aten_graph, run_compiled
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
-from mindiesd.compilation.matcher import Cast, Var, match
+from mindiesd.compilation.passes.matcher import Cast, Var, match
 from mindiesd.ops.dtypes import is_compute_float, promoted, widens
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)

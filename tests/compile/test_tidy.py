@@ -1,4 +1,4 @@
-"""After fusion, fewer calls for the same values (``compilation/tidy.py``): a pure op computed twice on the same
+"""After fusion, fewer calls for the same values (``compilation/cleanup/tidy.py``): a pure op computed twice on the same
 arguments runs once, a linear layer is one call, a chain of reshapes is one view; outputs equal eager's, layouts
 the traced ones."""
 
@@ -24,7 +24,8 @@ def _randn(*shape, seed=0):
 
 def _compile_flux(monkeypatch, tidy_on):
     if not tidy_on:
-        monkeypatch.setattr(backend_module, "tidy", lambda graph: {})
+        monkeypatch.setattr(backend_module, "AFTER_FUSION",
+                            tuple(step for step in backend_module.AFTER_FUSION if step.name != "tidy"))
     return compile_zoo_model("flux", "host")
 
 
@@ -46,7 +47,7 @@ def test_flux_takes_silu_of_the_embedding_once_and_reshapes_in_one_view(monkeypa
     # 60 linear layers, of which the 4 single blocks' proj_out are cat_linear calls (which have no addmm left)
     cat_linear = torch.ops.mindiesd.cat_linear.default
     assert calls[cat_linear] == before[cat_linear] == 4
-    # (the double blocks' value projections write into joint attention's concatenation: compilation/into.py)
+    # (the double blocks' value projections write into joint attention's concatenation: compilation/cleanup/write_into.py)
     assert calls[aten.linear.default] + calls[aten.linear.out] == 60 - 4 and calls[aten.linear.out] == 4
     assert before[aten.addmm.default] + before[aten.addmm.out] == 60 - 4
     assert calls[aten.addmm.default] == calls[aten.t.default] == 0
@@ -227,7 +228,7 @@ def test_flux_rotations_read_per_pair_tables_and_repeat_nothing(monkeypatch):
     for node in rotations:
         head_dim, (cos, sin) = node.args[5], _tables(node)
         assert cos.shape[-1] == sin.shape[-1] == head_dim // 2 and cos.dtype == torch.float32
-    # cos and sin round to float32 as they store (compilation/into.py), half the values: Flux host's head_dim is 16
+    # cos and sin round to float32 as they store (compilation/cleanup/write_into.py), half the values: Flux host's head_dim is 16
     casts = [n for n in gm.graph.nodes if n.target in (aten._to_copy.default, aten.cos.out, aten.sin.out)]
     casts = [n for n in casts if n.meta["val"].dim() == 2 and n.meta["val"].shape[0] > 1]  # not the timestep's
     assert len(casts) == 2 and all(n.meta["val"].shape[-1] == 8 and n.meta["val"].dtype == torch.float32

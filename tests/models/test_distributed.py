@@ -510,7 +510,7 @@ def test_context_parallel_ranks_store_and_load_artifacts_of_their_own(world, tmp
         assert set(r["second"]["outcomes"]) <= {"loaded", "shared"} and "loaded" in r["second"]["outcomes"], r
         assert r["first"]["error"] <= MAX_ERROR and r["second"]["error"] <= MAX_ERROR, (rank, r)
         assert r["second"]["collectives"]["all_to_all_single"] > 0
-    from mindiesd.compilation import cache as graph_cache
+    from mindiesd.compilation.storage import cache as graph_cache
 
     stored = sum(r["first"]["outcomes"].count("stored") for r in results)
     assert len(graph_cache.artifact_files(str(tmp_path))) == stored, "one set of artifacts per rank"

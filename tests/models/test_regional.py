@@ -275,17 +275,18 @@ def test_regional_with_capture_captures_each_block_instance_once(name, safe_outp
 def test_regional_blocks_serve_new_resolutions_from_cpp_without_a_fallback(monkeypatch):
     """Three resolutions through compile_repeated_blocks: automatic dynamic recompiles the blocks with symbolic
     sizes after the second, and every block graph, static or symbolic, runs in the C++ executor and equals eager."""
-    from mindiesd.compilation import CompilationConfig, MindieSDBackend, executor
+    from mindiesd.compilation import CompilationConfig, MindieSDBackend
+    from mindiesd.compilation.runtime import executor
 
     built = []
-    real = executor.Executed._build
+    real = executor.CppRunner._build
 
     def recording(self, args=()):
         program = real(self, args)
         built.append(program is not False)
         return program
 
-    monkeypatch.setattr(executor.Executed, "_build", recording)
+    monkeypatch.setattr(executor.CppRunner, "_build", recording)
     torch._dynamo.reset()
     model = zoo.build("flux", "host").model
     model._repeated_blocks = zoo.repeated_blocks(model)

@@ -5,7 +5,7 @@ random weights: two levels, the fewest channels its norms take, inputs 16 pixels
 a few seconds. The video VAEs get frames enough for one causal step after the first frame (Wan: 1 + 4 frames,
 decoded from 1 + 1 latent frames), so their causal convolutions read the frames they cached as well as write them.
 AutoencoderKL's attention block leaves a view whose traced strides differ from the real ones in the batch dim, the
-case that ``compilation/layout_checks.py`` exists for; it is decoded from a channels-last latent too.
+case that ``compilation/cleanup/layout_checks.py`` exists for; it is decoded from a channels-last latent too.
 """
 
 from dataclasses import dataclass

@@ -4,7 +4,7 @@ Implementations: the reference itself (the definition of correct), the aten comp
 kernels, the Triton kernels (in Triton's interpreter, in a subprocess: Triton fixes that mode when first
 imported) and the Ascend mapping over a stand-in ``torch_npu`` (``test_npu_mapping.StandInTorchNpu``). Each is
 called as the dispatcher calls it, behind the layout adapter, so a case checks values, dtype, shape and the
-strides of the layout rule (``mindiesd.ops._layout``). The cases come from the family registry's op names:
+strides of the layout rule (``mindiesd.ops.layout``). The cases come from the family registry's op names:
 a family without cases here fails ``test_every_op_has_cases``.
 """
 
@@ -21,7 +21,7 @@ import torch
 from mindiesd.compilation import families
 from mindiesd.ops import reference
 from mindiesd.ops.kernels import cpu as _cpu
-from mindiesd.ops._layout import conform, output_layout
+from mindiesd.ops.layout import conform, output_layout
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ def check_kernel(name, args, expected, dtype):
     ref = getattr(reference, name)(*args)
     assert out.dtype == ref.dtype
     assert out.shape == ref.shape
-    assert out.stride() == ref.stride()  # the layout rule of mindiesd.ops._layout, in both
+    assert out.stride() == ref.stride()  # the layout rule of mindiesd.ops.layout, in both
     assert_matches(out, ref, dtype)
     assert_matches(out, expected, dtype)
     return out

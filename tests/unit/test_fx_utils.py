@@ -5,8 +5,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mindiesd.compilation.freezing import split_constants
+from mindiesd.compilation.cleanup.copies import drop_copies
 from mindiesd.compilation.fx_utils import (
-    Emitter, drop_copies, erase_unused, foldable_nodes, placeholders, same_layout, tensor_val,
+    Emitter, erase_unused, foldable_nodes, placeholders, same_layout, tensor_val,
 )
 from mindiesd.compilation.passes.merge_projections import MergeProjectionsPass
 

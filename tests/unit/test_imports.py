@@ -1,5 +1,5 @@
-"""The package's floors, read from the sources: imports go one way (benchmarks -> compilation -> ops), with no
-cycle anywhere, lazy imports inside functions included (they are edges a reader follows too)."""
+"""The package's floors, read from the sources: imports go one way (benchmarks -> compilation -> ops -> files),
+with no cycle anywhere, lazy imports inside functions included (they are edges a reader follows too)."""
 
 from __future__ import annotations
 
@@ -115,6 +115,7 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("floor, forbidden", [
+    ("mindiesd.files", ("mindiesd.ops", "mindiesd.compilation", "mindiesd.benchmarks", "mindiesd.zoo")),
     ("mindiesd.ops", ("mindiesd.compilation", "mindiesd.benchmarks", "mindiesd.zoo")),
     ("mindiesd.compilation", ("mindiesd.benchmarks", "mindiesd.zoo")),
     ("mindiesd.zoo", ("mindiesd.benchmarks", "mindiesd.compilation")),
@@ -129,3 +130,44 @@ def test_imports_go_down_only(floor, forbidden):
 def test_no_tooling_at_the_package_top_level():
     top_level = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
     assert top_level == ["__init__.py", "__main__.py"], top_level
+
+
+def test_compilation_keeps_its_pipeline_at_the_top_and_its_concerns_below():
+    """The pipeline's modules sit at the top of compilation/; graph clean-up, the runtime and storage are
+    sub-packages a reader finds by name (the passes have theirs)."""
+    top = PACKAGE_ROOT / "compilation"
+    modules = sorted(path.name for path in top.glob("*.py"))
+    packages = sorted(path.parent.name for path in top.glob("*/__init__.py"))
+    assert len(modules) <= 12, modules
+    assert packages == ["cleanup", "passes", "runtime", "storage"], packages
+
+
+def _area(module: str) -> str:
+    """The part of the package a module belongs to: a sub-package of compilation/ or another top-level part."""
+    parts = module.split(".")
+    if parts[:2] == ["mindiesd", "compilation"] and len(parts) > 3:
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def test_no_private_name_is_imported_across_areas():
+    """``from x import _name`` stays inside one area (compilation's top, one of its sub-packages, ops, files...):
+    what another area uses is public."""
+    modules = _modules()
+    crossing = []
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                base = ".".join(anchor[: len(anchor) - (node.level - 1)] + ([base] if base else []))
+            target = _resolve(base, modules)
+            if target is None or _area(target) == _area(module):
+                continue
+            crossing += [f"{module} imports {target}.{alias.name}" for alias in node.names
+                         if alias.name.startswith("_") and not alias.name.startswith("__")
+                         and f"{base}.{alias.name}" not in modules]
+    assert not crossing, crossing

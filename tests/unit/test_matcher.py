@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_utils import aten_graph, only, run_compiled
-from mindiesd.compilation.matcher import Alt, Lit, Op, Var, explain, match
+from mindiesd.compilation.passes.matcher import Alt, Lit, Op, Var, explain, match
 from mindiesd.compilation.passes import PASSES
 from mindiesd.compilation.passes.base import FusionPass, Rule
 

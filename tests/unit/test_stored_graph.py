@@ -1,4 +1,4 @@
-"""Graph modules stored as data (``mindiesd.compilation.stored_graph``): what is loaded runs as what was stored,
+"""Graph modules stored as data (``mindiesd.compilation.storage.stored_graph``): what is loaded runs as what was stored,
 without re-tracing its code, and its graph is the stored one when read."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from mindiesd.compilation import stored_graph
+from mindiesd.compilation.storage import stored_graph
 
 
 class _Block(torch.nn.Module):

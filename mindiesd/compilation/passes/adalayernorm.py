@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..fx_utils import float_tensor, tensor_val
-from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
+from .matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
 from .base import FusionPass, Rule
 from .patterns import item
 

@@ -12,7 +12,7 @@ graph is left as it was. What cannot be proven equal under symbolic shapes is no
 nodes of the match that nothing reads any more are erased (no dead-code pass per match).
 
 With the logger ``mindiesd.compilation.explain`` at DEBUG, every node a rule could root at but that was not fused
-is logged with the reason: the sub-pattern that failed (:func:`~mindiesd.compilation.matcher.explain`), the
+is logged with the reason: the sub-pattern that failed (:func:`~mindiesd.compilation.passes.matcher.explain`), the
 check's reason, or the layout/shape difference.
 """
 
@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 
 from ...ops.dtypes import promoted
 from ..fx_utils import Emitter, erase_unused, same_layout, tensor_val
-from ..matcher import Match, Pattern, explain, is_self_contained, match
+from .matcher import Match, Pattern, explain, is_self_contained, match
 
 explain_log = logging.getLogger("mindiesd.compilation.explain")
 

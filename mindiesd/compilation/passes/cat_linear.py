@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..fx_utils import tensor_val
-from ..matcher import Alt, Lit, Op, Var, exactly
+from .matcher import Alt, Lit, Op, Var, exactly
 from .base import FusionPass, Rule, last_dim_index
 from .patterns import WEIGHT_T, is_transpose
 

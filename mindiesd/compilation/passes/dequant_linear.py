@@ -20,9 +20,10 @@ from torch.fx import Node
 
 from ...ops.defs.dequant_linear import STORAGE_DTYPES
 from ..fx_utils import is_call, tensor_val
-from ..matcher import CAST_OPS, Match
+from .matcher import CAST_OPS, Match
 from .base import FusionPass, Rule
-from .int8_linear import _VIEWS, QuantizedLayer, _cast_to, _operands, _rows_of, _transposed, _views, check_layer
+from .int8_linear import QuantizedLayer, _cast_to, _operands, _rows_of, _transposed, _views, check_layer
+from .patterns import VIEW_RESHAPES
 
 aten = torch.ops.aten
 
@@ -38,7 +39,7 @@ class WeightOnlyLinear(QuantizedLayer):
     body_name = "a GEMM with a dequantized weight"
 
     def roots(self) -> frozenset:
-        return frozenset({aten.add.Tensor, aten.mul.Tensor, aten.mm.default, *CAST_OPS, *_VIEWS})
+        return frozenset({aten.add.Tensor, aten.mul.Tensor, aten.mm.default, *CAST_OPS, *VIEW_RESHAPES})
 
     def describe(self) -> str:
         return "mm(x, dequantize(t(w))) [* scale] [+ bias]"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..fx_utils import float_tensor
-from ..matcher import Var
+from .matcher import Var
 from .base import FusionPass, Rule
 from .patterns import ExplicitTanhGelu, aten_tanh_gelu
 

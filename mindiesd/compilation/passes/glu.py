@@ -23,7 +23,7 @@ import torch
 
 from ...ops.dtypes import is_compute_float
 from ..fx_utils import known_eq, same_shape, tensor_val, val
-from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
+from .matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
 from .base import FusionPass, Rule
 from .patterns import item
 

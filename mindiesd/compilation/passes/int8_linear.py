@@ -28,14 +28,14 @@ from torch.fx import Node
 
 from ...ops.defs._quantized import X_DTYPES
 from ..fx_utils import is_call, same_input, tensor_val, unfolded
-from ..matcher import CAST_OPS, Match, Pattern
+from .matcher import CAST_OPS, Match, Pattern
 from .base import FusionPass, Rule, last_dim_index
+from .patterns import VIEW_RESHAPES
 
 aten = torch.ops.aten
 
 __all__ = ["Int8LinearPass", "DynamicInt8Linear", "QuantizedLayer", "check_layer"]
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _cast_to(node: Any) -> Optional[torch.dtype]:
@@ -55,7 +55,7 @@ def _cast_to(node: Any) -> Optional[torch.dtype]:
 
 def _views(value: Any, seen: List[Node]) -> Any:
     """``value`` under a chain of views, which are appended to ``seen``."""
-    while is_call(value, *_VIEWS):
+    while is_call(value, *VIEW_RESHAPES):
         seen.append(value)
         value = value.args[0]
     return value
@@ -64,7 +64,7 @@ def _views(value: Any, seen: List[Node]) -> Any:
 def _rows_of(value: Any, width: Any, seen: List[Node]) -> Any:
     """``value`` under the views that keep its last dimension ``width`` (appended to ``seen``): the tensor whose
     rows the layer reads. A view that regroups the last dimension (heads flattened into it) is where it stops."""
-    while is_call(value, *_VIEWS):
+    while is_call(value, *VIEW_RESHAPES):
         inner = tensor_val(value.args[0])
         if inner is None or inner.dim() < 1 or inner.shape[-1] != width:
             break
@@ -77,7 +77,7 @@ def _same_rows(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` are one value: the same node, or two views of one tensor to one shape."""
     if a is b:
         return True
-    if not (is_call(a, *_VIEWS) and is_call(b, *_VIEWS)) or a.args[0] is not b.args[0]:
+    if not (is_call(a, *VIEW_RESHAPES) and is_call(b, *VIEW_RESHAPES)) or a.args[0] is not b.args[0]:
         return False
     va, vb = tensor_val(a), tensor_val(b)
     return va is not None and vb is not None and tuple(va.shape) == tuple(vb.shape)
@@ -202,7 +202,7 @@ class DynamicInt8Linear(QuantizedLayer):
     body_name = "the rescaled integer product"
 
     def roots(self) -> frozenset:
-        return frozenset({aten.add.Tensor, aten.mul.Tensor, *CAST_OPS, *_VIEWS})
+        return frozenset({aten.add.Tensor, aten.mul.Tensor, *CAST_OPS, *VIEW_RESHAPES})
 
     def describe(self) -> str:
         return "rescale(_int_mm(quantize_rows(x), t(w))) [+ bias]"

@@ -16,7 +16,7 @@ import torch
 
 from ...ops.dtypes import is_compute_float
 from ..fx_utils import tensor_val
-from ..matcher import Match, Pattern
+from .matcher import Match, Pattern
 from .base import FusionPass, Rule
 from .patterns import LINEAR, ExplicitTanhGelu, aten_tanh_gelu, is_transpose
 

@@ -37,8 +37,8 @@ from torch.fx import Graph, GraphModule, Node
 from ...ops.dtypes import is_compute_float
 from ..fx_utils import (Emitter, erase_unused, fake_call, foldable_nodes, is_call, is_packed, same_layout,
                         subclass_parts, tensor_val, val, writes_in_place)
-from ..matcher import match
-from .patterns import GEMM, is_transpose
+from .matcher import match
+from .patterns import GEMM, VIEW_RESHAPES, is_transpose
 
 log = logging.getLogger("mindiesd.compilation")
 explain_log = logging.getLogger("mindiesd.compilation.explain")
@@ -46,7 +46,6 @@ aten = torch.ops.aten
 
 __all__ = ["MergeProjectionsPass"]
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @dataclass
@@ -103,7 +102,7 @@ def _source(x: Node) -> Tuple[Any, ...]:
     """What ``x`` reads: a view of another node counts as that node with the view's sizes (each linear layer
     of a block views the same hidden states again)."""
     viewed = tensor_val(x)
-    if is_call(x, *_VIEWS) and isinstance(x.args[0], Node) and viewed is not None:
+    if is_call(x, *VIEW_RESHAPES) and isinstance(x.args[0], Node) and viewed is not None:
         return (x.args[0], tuple(str(size) for size in viewed.shape))  # symbolic sizes print alike
     return (x, None)
 

@@ -11,7 +11,7 @@ import torch
 
 from ...ops.dtypes import is_compute_float
 from ..fx_utils import tensor_val
-from ..matcher import Op, Var
+from .matcher import Op, Var
 from .base import FusionPass, Rule
 
 aten = torch.ops.aten

@@ -27,8 +27,9 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import is_call, tensor_val
-from ..matcher import Alt, Op, Var
+from .matcher import Alt, Op, Var
 from .base import FusionPass, Rule
+from .patterns import VIEW_RESHAPES
 
 aten = torch.ops.aten
 mindiesd = torch.ops.mindiesd
@@ -66,12 +67,11 @@ def _norm_parts(node, reader: Node):
     return x, weight, eps, out.dtype
 
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _heads_of(view) -> Optional[int]:
     """D when ``view`` only splits its input's last dim into [H, D] (static sizes), else None."""
-    if not is_call(view, *_VIEWS):
+    if not is_call(view, *VIEW_RESHAPES):
         return None
     source, out = tensor_val(view.args[0]), tensor_val(view)
     if source is None or out is None or out.dim() != source.dim() + 1:

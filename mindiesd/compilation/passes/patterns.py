@@ -13,9 +13,13 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import is_call
-from ..matcher import Alt, Lit, Match, Op, Pattern, PatternLike, Var, exactly, near
+from .matcher import Alt, Lit, Match, Op, Pattern, PatternLike, Var, exactly, near
 
 aten = torch.ops.aten
+
+#: The calls that give a tensor another shape over the same elements, as a projection's input and output are
+#: flattened and restored.
+VIEW_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 __all__ = ["item", "WEIGHT_T", "GEMM", "LINEAR", "is_transpose", "aten_tanh_gelu", "ExplicitTanhGelu"]
 

@@ -13,7 +13,7 @@ import torch
 
 from ...ops.dtypes import is_compute_float
 from ..fx_utils import float_tensor, tensor_val
-from ..matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
+from .matcher import Alt, Cast, Lit, Op, OutCast, Var, exactly
 from .base import FusionPass, Rule, last_dim_index
 
 aten = torch.ops.aten

@@ -24,7 +24,7 @@ import torch
 
 from ...ops.dtypes import is_compute_float
 from ..fx_utils import float_tensor, known_eq, same_shape, tensor_val, val
-from ..matcher import Cast, Lit, Op, OutCast, Var
+from .matcher import Cast, Lit, Op, OutCast, Var
 from .base import FusionPass, Rule
 from .patterns import item
 

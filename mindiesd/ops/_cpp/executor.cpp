@@ -1,6 +1,6 @@
 // executor: runs a fused graph (static or symbolic sizes) as one call from
 // Python.  The graph arrives once, as a list of instructions built by
-// mindiesd/compilation/executor.py: per node, the operator's handle, where each
+// mindiesd/compilation/runtime/executor.py: per node, the operator's handle, where each
 // of its schema arguments comes from (a value slot, a list of slots, or a
 // constant converted once to the schema's type), the slots its returns go to
 // and the slots released after it; Python's arithmetic on a graph's symbolic
@@ -71,7 +71,7 @@ struct Arg {
   std::vector<int64_t> ints;   // kInts: the constant elements
 };
 
-// Python's operators on a graph's sizes (compilation/executor.py's _ARITHMETIC).
+// Python's operators on a graph's sizes (compilation/runtime/executor.py's _ARITHMETIC).
 enum class Arithmetic : int {
   kNone = -1, kAdd, kSub, kMul, kFloorDiv, kMod, kTrueDiv, kNeg, kPow, kMax, kMin, kFloat, kInt,
   kEq, kNe, kLt, kLe, kGt, kGe, kSum,
@@ -860,7 +860,7 @@ class Program {
 
 void bind_executor(py::module_& m) {
   py::class_<Program, std::shared_ptr<Program>>(
-      m, "Program", "A fused graph as instructions run from C++ (compilation/executor.py).")
+      m, "Program", "A fused graph as instructions run from C++ (compilation/runtime/executor.py).")
       .def(py::init<int64_t, std::vector<int64_t>, py::list, py::list, bool, bool, int64_t>(), py::arg("slot_count"),
            py::arg("inputs"), py::arg("instructions"), py::arg("outputs"), py::arg("output_is_list"),
            py::arg("below_autograd_allowed"), py::arg("view_geometries") = 8)

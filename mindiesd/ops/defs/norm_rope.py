@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import registry
-from .._layout import concat_shape
+from ..layout import concat_shape
 from .._rules import require_floating, shape_str
 from ..dtypes import is_compute_float
 from .rms_norm import reference as rms_norm_reference

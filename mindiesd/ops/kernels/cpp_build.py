@@ -200,8 +200,8 @@ def untrusted_build_folder(directory: Path) -> str | None:
     Importing a built module runs its code, so a module someone else could have written is never imported: the
     cache root, the build folder and every file in it must be owned by this user (or root; another owner where
     ``$MINDIESD_CACHE_TRUST_FOREIGN_OWNER`` trusts it) and writable by nobody else, with no symbolic link below
-    the root: the check the graph cache makes before it unpickles an entry (``ops/trust.py``)."""
-    from ..trust import trust_foreign_owner_from_env, untrusted_reason  # here: setup.py loads this file alone
+    the root: the check the graph cache makes before it unpickles an entry (``files/trust.py``)."""
+    from ...files.trust import trust_foreign_owner_from_env, untrusted_reason  # here: setup.py loads this file alone
 
     root = cache_root()
     trust = trust_foreign_owner_from_env()

@@ -1,4 +1,4 @@
-"""The generated runner of a fused graph (``compilation/codegen.py``): same results as the graph's own forward, the
+"""The generated runner of a fused graph (``compilation/python_runner.py``): same results as the graph's own forward, the
 fused ops' C++ kernels called straight where the layout is known, the dispatcher where it is not."""
 
 import warnings
@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from fusion_utils import assert_close, run_compiled
-from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning, codegen
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
+from mindiesd.compilation.runtime import python_runner
 from mindiesd.compilation import backend as backend_module
-from mindiesd.ops import _layout, registry
+from mindiesd.ops import layout, registry
 from mindiesd.ops.kernels import cpp
 
 D = 32
@@ -38,13 +39,13 @@ EXPECTED = {"rms_norm": 1, "adalayernorm": 1, "fast_gelu": 1, "mul_add": 1}
 def _layout_calls(monkeypatch):
     """Counts the dispatcher's layout adapter runs (every fused op through the dispatcher runs it once)."""
     calls = []
-    real = _layout.output_layout
+    real = layout.output_layout
 
     def counting(op, args):
         calls.append(op)
         return real(op, args)
 
-    monkeypatch.setattr(_layout, "output_layout", counting)
+    monkeypatch.setattr(layout, "output_layout", counting)
     return calls
 
 
@@ -68,7 +69,7 @@ def test_fused_ops_run_their_cpp_kernels_without_the_dispatcher(dtype, monkeypat
         actual, expected, counts, backend = run_compiled(block, *args)
         assert {k: counts[k] for k in EXPECTED} == EXPECTED
         assert_close(actual, expected, dtype)
-        assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
+        assert python_runner.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
         calls = _layout_calls(monkeypatch)
         compiled = torch.compile(block, backend=backend, fullgraph=True)
         with torch.no_grad():
@@ -117,7 +118,7 @@ def test_a_permuted_output_runs_straight_on_permuted_inputs(dtype, monkeypatch):
     x, w = _randn(2, D, 6, D, seed=1).to(dtype), _randn(D, seed=2).to(dtype)
     actual, expected, counts, backend = run_compiled(fn, x, w)
     assert counts["rms_norm"] == 1
-    assert codegen.runner(backend.graphs[0]).direct_ops == 1
+    assert python_runner.runner(backend.graphs[0]).direct_ops == 1
     assert_close(actual, expected, dtype)
     calls = _layout_calls(monkeypatch)
     with torch.no_grad():
@@ -136,7 +137,7 @@ def test_an_output_the_adapter_copies_keeps_the_adapter():
     x, w = _randn(2, D, 6, seed=1), _randn(D, seed=2)
     actual, expected, counts, backend = run_compiled(fn, x, w)
     assert counts["rms_norm"] == 1
-    assert codegen.runner(backend.graphs[0]).direct_ops == 0
+    assert python_runner.runner(backend.graphs[0]).direct_ops == 0
     assert_close(actual, expected)
     assert actual.stride() == expected.stride()
 
@@ -145,9 +146,9 @@ def test_an_output_the_adapter_copies_keeps_the_adapter():
 def test_a_kernel_the_user_registered_is_called_through_the_dispatcher(monkeypatch):
     args = _inputs(torch.float32)
     _, _, _, backend = run_compiled(block, *args)
-    assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
+    assert python_runner.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
     monkeypatch.setitem(registry.DEVICE_KERNELS["cpu"], "rms_norm", lambda *a: None)
-    assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values()) - 1
+    assert python_runner.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values()) - 1
 
 
 def test_dynamic_shapes_call_the_entry_where_the_output_is_row_major_at_every_size():
@@ -157,7 +158,7 @@ def test_dynamic_shapes_call_the_entry_where_the_output_is_row_major_at_every_si
     actual, expected, counts, backend = run_compiled(block, *args, dynamic=True)
     assert counts["rms_norm"] == 1
     fused = sum(1 for n in backend.graphs[0].graph.nodes if str(n.target).startswith("mindiesd."))
-    assert fused >= 1 and codegen.runner(backend.graphs[0]).direct_ops == fused
+    assert fused >= 1 and python_runner.runner(backend.graphs[0]).direct_ops == fused
     assert_close(actual, expected)
     longer = tuple(a if a.dim() < 3 or a.shape[1] == 1 else _randn(2, 13, D, seed=9) for a in args)
     compiled = torch.compile(block, backend=backend, dynamic=True, fullgraph=True)
@@ -170,7 +171,7 @@ def test_values_are_released_after_their_last_use():
     args = _inputs(torch.float32)
     _, _, _, backend = run_compiled(block, *args)
     gm = backend.graphs[0]
-    source = codegen.runner(gm).source
+    source = python_runner.runner(gm).source
     lines = source.splitlines()
     returned = lines[-1]
     assert returned.strip().startswith("return")
@@ -184,7 +185,7 @@ def test_values_are_released_after_their_last_use():
 
 def test_a_graph_that_cannot_be_generated_runs_its_own_forward():
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 3)))  # call_module: not an aten graph
-    assert codegen.runner(gm) == gm.forward
+    assert python_runner.runner(gm) == gm.forward
 
 
 def test_cache_hits_run_the_generated_code(tmp_path, monkeypatch):
@@ -217,7 +218,7 @@ def test_a_cache_hit_runs_the_stored_code_without_compiling_the_text(tmp_path, m
         compiled_texts.append(text)
         return real_compile(text, *rest, **kwargs)
 
-    monkeypatch.setattr(codegen, "compile", counting, raising=False)
+    monkeypatch.setattr(python_runner, "compile", counting, raising=False)
     second = MindieSDBackend(config, keep_graphs=True)
     with torch.no_grad():
         actual = torch.compile(block, backend=second, fullgraph=True)(*args)
@@ -227,17 +228,17 @@ def test_a_cache_hit_runs_the_stored_code_without_compiling_the_text(tmp_path, m
 
 def test_stored_code_of_another_text_or_damaged_is_compiled_again(monkeypatch):
     gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 2.0))
-    run = codegen.runner(gm)
-    digest, data = codegen.compiled_code(run)
+    run = python_runner.runner(gm)
+    digest, data = python_runner.compiled_code(run)
     x = torch.randn(3)
     compiled_texts = []
     real_compile = compile
-    monkeypatch.setattr(codegen, "compile", lambda text, *a: compiled_texts.append(text) or real_compile(text, *a),
+    monkeypatch.setattr(python_runner, "compile", lambda text, *a: compiled_texts.append(text) or real_compile(text, *a),
                         raising=False)
-    assert torch.equal(codegen.runner(gm, code=(digest, data))(x), x * 2) and compiled_texts == []
+    assert torch.equal(python_runner.runner(gm, code=(digest, data))(x), x * 2) and compiled_texts == []
     for stored in (("another text", data), (digest, data[:5])):
-        assert torch.equal(codegen.runner(gm, code=stored)(x), x * 2)
-    assert len(compiled_texts) == 2 and codegen.compiled_code(gm.forward) is None
+        assert torch.equal(python_runner.runner(gm, code=stored)(x), x * 2)
+    assert len(compiled_texts) == 2 and python_runner.compiled_code(gm.forward) is None
 
 
 @needs_cpp
@@ -246,7 +247,7 @@ def test_forms_the_cpp_kernel_declines_run_through_the_dispatcher(monkeypatch):
     args = _inputs(torch.float64)
     actual, expected, counts, backend = run_compiled(block, *args)
     assert {k: counts[k] for k in EXPECTED} == EXPECTED
-    assert codegen.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
+    assert python_runner.runner(backend.graphs[0]).direct_ops == sum(EXPECTED.values())
     calls = _layout_calls(monkeypatch)
     with torch.no_grad():
         again = torch.compile(block, backend=backend, fullgraph=True)(*args)
@@ -256,7 +257,7 @@ def test_forms_the_cpp_kernel_declines_run_through_the_dispatcher(monkeypatch):
 
 
 def _binding_examples():
-    """Arguments an aten graph passes to each overload of ``codegen.BOUND_OVERLOADS``, one call or more each."""
+    """Arguments an aten graph passes to each overload of ``python_runner.BOUND_OVERLOADS``, one call or more each."""
     x, y = _randn(2, 3, 4, seed=1), _randn(2, 3, 4, seed=2)
     m, n, b = _randn(3, 4, seed=3), _randn(4, 5, seed=4), _randn(5, seed=5)
     q, k, v = (_randn(1, 2, 6, 8, seed=s) for s in (6, 7, 8))
@@ -310,11 +311,11 @@ def test_every_bound_overload_reaches_that_overload_with_its_result():
 
     aten_view = torch.ops.aten.view.default
     examples = _binding_examples()
-    assert sorted(examples) == sorted(codegen.BOUND_OVERLOADS)
+    assert sorted(examples) == sorted(python_runner.BOUND_OVERLOADS)
     for name, calls in examples.items():
         packet, overload_name = name.rsplit(".", 1)
         overload = getattr(getattr(torch.ops.aten, packet), overload_name)
-        bound = codegen.binding(overload)
+        bound = python_runner.binding(overload)
         assert bound is not None, name
         for call in calls:
             kwargs = call[-1] if isinstance(call[-1], dict) else {}
@@ -332,15 +333,15 @@ def test_every_bound_overload_reaches_that_overload_with_its_result():
                     if name != "empty.memory_format":  # uninitialised memory: its layout is what is compared
                         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
                     assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), name
-    for name, method in codegen.SIZE_AS_INTS.items():  # these take their sizes as separate ints
+    for name, method in python_runner.SIZE_AS_INTS.items():  # these take their sizes as separate ints
         (x, sizes), = examples[name]
         packet, overload_name = name.rsplit(".", 1)
         overload = getattr(getattr(torch.ops.aten, packet), overload_name)
         with FirstOp() as mode:
             got = method(x, *sizes)
         assert mode.ops == [overload] and torch.equal(got, overload(x, sizes)), name
-    assert codegen.binding(torch.ops.aten.slice.Tensor) is None  # no binding: the boxed call
-    assert codegen.binding(torch.ops.mindiesd.rms_norm.default) is None
+    assert python_runner.binding(torch.ops.aten.slice.Tensor) is None  # no binding: the boxed call
+    assert python_runner.binding(torch.ops.mindiesd.rms_norm.default) is None
 
 
 class _Linears(torch.nn.Module):
@@ -382,7 +383,7 @@ def test_linear_layers_run_the_cpp_entry_with_torch_linear_bits(dtype, monkeypat
         actual = compiled(x)
         again = compiled(x)
     linears = [n for n in backend.graphs[0].graph.nodes if n.target is torch.ops.aten.linear.default]
-    assert len(linears) == 2 and codegen.runner(backend.graphs[0]).direct_ops == 2
+    assert len(linears) == 2 and python_runner.runner(backend.graphs[0]).direct_ops == 2
     assert counting.calls == 4, "each linear layer of each call ran the entry"
     assert torch.equal(actual, expected) and torch.equal(again, expected)
 

@@ -34,7 +34,7 @@ from typing import Any, Dict, Hashable, List, Optional, Tuple
 import torch
 from torch.fx import Graph, Node
 
-from .fx_utils import fake_call, is_call, known_eq, known_row_major, same_layout, tensor_val, writes_in_place
+from ..fx_utils import ALLOCATIONS, fake_call, is_call, known_eq, known_row_major, same_layout, tensor_val, writes_in_place
 
 __all__ = ["dedupe", "identities", "concatenate_first", "pair_tables", "linear_calls", "unsqueeze_first",
            "collapse_views", "tidy"]
@@ -45,9 +45,6 @@ aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
              aten.squeeze.dims, aten.squeeze.default)
 
-#: Calls that allocate without computing: two of them are two buffers, never one.
-_ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default,
-                aten.empty_like.default, aten.new_empty.default, aten.new_empty_strided.default)
 
 
 def tidy(graph: Graph) -> Dict[str, int]:
@@ -95,7 +92,7 @@ def _pure(node: Node) -> bool:
     target = node.target
     if target is operator.getitem:
         return True
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or target in _ALLOCATIONS:
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or target in ALLOCATIONS:
         return False
     return torch.Tag.nondeterministic_seeded not in target.tags
 

@@ -29,6 +29,8 @@ from torch.fx.graph import CodeGen
 from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
 
+from ..fx_utils import is_number
+
 __all__ = ["state_of", "graph_module", "placeholders", "is_number", "StoredGraphModule"]
 
 
@@ -61,15 +63,6 @@ def _target(state: Tuple[Any, ...]) -> Any:
     if kind == "value":
         return rest[0]
     raise ValueError(f"unknown node target kind {kind!r}")
-
-
-_NUMBER_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
-
-
-def is_number(node: torch.fx.Node) -> bool:
-    """Whether ``node`` computes a number (a ``SymInt``, ``SymFloat``, ``SymBool`` or plain one): from its traced
-    value, or in a loaded graph, whose nodes carry none, from what was stored."""
-    return isinstance(node.meta.get("val"), _NUMBER_TYPES) or node.meta.get("number", False)
 
 
 def _attribute(gm: torch.nn.Module, target: str) -> Any:

@@ -35,11 +35,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch.fx import GraphModule, Node
 
-from .stored_graph import is_number
+from ..fx_utils import ALLOCATIONS, is_number
 
 log = logging.getLogger("mindiesd.compilation")
 
-__all__ = ["ENV", "VIEW_GEOMETRIES_ENV", "Bound", "enabled", "Executed", "instructions", "runner", "view_geometries"]
+__all__ = ["ENV", "VIEW_GEOMETRIES_ENV", "BoundCall", "enabled", "CppRunner", "instructions", "runner", "view_geometries"]
 
 #: ``MINDIESD_EXECUTOR=0``: every graph runs through the generated Python runner.
 ENV = "MINDIESD_EXECUTOR"
@@ -58,8 +58,6 @@ _VIEWS = frozenset({
     aten.as_strided.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.narrow.default,
     aten.unbind.int,
 })
-_ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default,
-                          aten.empty_like.default})
 
 
 def enabled() -> bool:
@@ -67,15 +65,15 @@ def enabled() -> bool:
 
 
 def runner(gm: GraphModule, facts: Optional[Mapping[str, Any]] = None, code: Any = None) -> Callable[..., Any]:
-    """What runs ``gm``: the generated runner of :func:`.codegen.runner` (same arguments), through the executor
-    where it is on (an :class:`Executed` whose fallback is that runner; its attributes are the runner's)."""
-    from . import codegen
+    """What runs ``gm``: the generated runner of :func:`.python_runner.runner` (same arguments), through the executor
+    where it is on (an :class:`CppRunner` whose fallback is that runner; its attributes are the runner's)."""
+    from . import python_runner
 
-    facts = codegen.traced_facts(gm) if facts is None else facts
-    generated = codegen.runner(gm, facts, code)
+    facts = python_runner.traced_facts(gm) if facts is None else facts
+    generated = python_runner.runner(gm, facts, code)
     if generated == gm.forward or not enabled():
         return generated
-    return Executed(gm, facts, generated)
+    return CppRunner(gm, facts, generated)
 
 
 def view_geometries() -> int:
@@ -118,7 +116,7 @@ def _writes_own_buffers(nodes: List[Node]) -> bool:
                 continue
             written = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
             root = _root(written)
-            if not (isinstance(root, Node) and root.op == "call_function" and root.target in _ALLOCATIONS):
+            if not (isinstance(root, Node) and root.op == "call_function" and root.target in ALLOCATIONS):
                 return False
     return True
 
@@ -310,12 +308,12 @@ class _Builder:
 
     def direct(self, node: Node) -> Optional[tuple]:
         """(entry, args, out_dtype, order, moved) of the straight call of a fused op's C++ entry, or None."""
-        from . import codegen
+        from . import python_runner
 
         target = node.target
         if target is aten.linear.out:  # the entry declines what is not 2-D CPU rows into a contiguous buffer
             if not 2 <= len(node.args) <= 3 or set(node.kwargs) - {"bias", "out"} or "out" not in node.kwargs \
-                    or not codegen._cpp_enabled():
+                    or not python_runner._cpp_enabled():
                 return None
             arguments = target._schema.arguments
             values = [self.encode(a, str(arguments[i].type)) for i, a in enumerate(node.args)]
@@ -327,15 +325,15 @@ class _Builder:
         if fact is None:
             return None
         if target is aten.linear.default:
-            if node.kwargs or not 2 <= len(node.args) <= 3 or not codegen._cpp_enabled():
+            if node.kwargs or not 2 <= len(node.args) <= 3 or not python_runner._cpp_enabled():
                 return None
             arguments = target._schema.arguments
             values = [self.encode(a, str(arguments[i].type)) for i, a in enumerate(node.args)]
             return ("linear", values + [("const", None)] * (3 - len(values)), None, None, [])
-        plan = codegen._direct_plan(node, fact)
+        plan = python_runner._direct_plan(node, fact)
         if plan is None:
             return None
-        from mindiesd.ops import _layout
+        from mindiesd.ops import layout
 
         arguments = target._schema.arguments
         values = []
@@ -350,7 +348,7 @@ class _Builder:
         moved: List[int] = []
         if plan.order is not None:
             name = plan.name
-            every = set(_layout._TABLE_ARGS[name]) | ({0} if name in _layout.ROW_OPS else set())
+            every = set(layout._TABLE_ARGS[name]) | ({0} if name in layout.ROW_OPS else set())
             moved = sorted(i for i in every if i < len(plan.picks))
         return (plan.name, values, plan.out_dtype, list(plan.order) if plan.order is not None else None, moved)
 
@@ -440,7 +438,7 @@ def instructions(gm: GraphModule, facts: Mapping[str, Any]) -> Optional[Tuple[in
             _writes_own_buffers(nodes), [target for _, target in attributes])
 
 
-class Executed:
+class CppRunner:
     """The runner of a graph through the C++ executor, built on its first call; ``fallback`` (the generated runner)
     runs where the executor does not (see the module doc). Its attributes are the fallback's."""
 
@@ -455,7 +453,7 @@ class Executed:
         return getattr(self.fallback, name)
 
     def _build(self, args: Tuple[Any, ...] = ()) -> Any:
-        from . import codegen
+        from . import python_runner
         from mindiesd.ops.kernels import cpp_build
 
         self.program = False
@@ -474,7 +472,7 @@ class Executed:
         except Exception as exc:  # noqa: BLE001  (a constant or schema it cannot take: the generated runner)
             log.debug("executor program not built (%s: %s); the generated runner runs", type(exc).__name__, exc)
             return False
-        self.attributes = [codegen._Attribute(target) for target in attributes]
+        self.attributes = [python_runner._Attribute(target) for target in attributes]
         self.program = built
         return built
 
@@ -488,29 +486,29 @@ class Executed:
             args = (*args, *(attribute(self.gm) for attribute in self.attributes))
         return program.run(args)
 
-    def bound(self, main_inputs: List[int], folded_for: Callable[[Tuple[Any, ...]], Tuple[Any, ...]]) -> "Bound":
+    def bound(self, main_inputs: List[int], folded_for: Callable[[Tuple[Any, ...]], Tuple[Any, ...]]) -> "BoundCall":
         """The call on a frozen graph's original inputs (``FrozenGraph.bind``): the folded constants of these
         weights, then the arguments at ``main_inputs``, chosen in C++."""
-        return Bound(self, list(main_inputs), folded_for, False)
+        return BoundCall(self, list(main_inputs), folded_for, False)
 
-    def inference(self) -> "Bound":
+    def inference(self) -> "BoundCall":
         """This call with grad mode off (what ``cache.inference_call`` makes of a runner), switched in C++."""
-        return Bound(self, None, None, True)
+        return BoundCall(self, None, None, True)
 
 
-class Bound:
-    """An :class:`Executed` runner called on other inputs than its graph's: a frozen graph's original inputs
+class BoundCall:
+    """An :class:`CppRunner` runner called on other inputs than its graph's: a frozen graph's original inputs
     (``selection``: the positions main reads, after the folded constants ``folded_for`` returns) and/or with grad
     mode off (``no_grad``). The program chooses the inputs and switches grad mode itself; where the executor does
     not run, the same call goes through Python."""
 
-    def __init__(self, executed: Executed, selection: Optional[List[int]],
+    def __init__(self, executed: CppRunner, selection: Optional[List[int]],
                  folded_for: Optional[Callable[[Tuple[Any, ...]], Tuple[Any, ...]]], no_grad: bool):
         self.executed, self.selection, self.folded_for, self.no_grad = executed, selection, folded_for, no_grad
         self.ready = False  # the program has this selection
 
-    def inference(self) -> "Bound":
-        return Bound(self.executed, self.selection, self.folded_for, True)
+    def inference(self) -> "BoundCall":
+        return BoundCall(self.executed, self.selection, self.folded_for, True)
 
     def _slow(self, args: Tuple[Any, ...]) -> Any:
         if self.selection is not None:

@@ -1,5 +1,5 @@
 """Which cached files mindiesd may load: the check made before a file that runs code when loaded is read (a
-pickled graph-cache entry or artifact, ``compilation/cache.py``; a built C++ kernel module,
+pickled graph-cache entry or artifact, ``compilation/storage/cache.py``; a built C++ kernel module,
 ``ops/kernels/cpp_build.py``).
 
 A file is read only when it and every folder from the cache folder down to it are owned by this user or root
@@ -42,7 +42,7 @@ def untrusted_reason(path: Any, root: Any, trust_foreign_owner: bool = False) ->
     rule it breaks), or None when it may be: the check every read of the cache makes (:class:`CacheFolder`)."""
     root = Path(root).expanduser()
     parts = Path(path).expanduser().relative_to(root).parts
-    opener = _open_folder if Path(path).is_dir() else _open_file
+    opener = open_folder if Path(path).is_dir() else open_file
     try:
         fd = opener(root, parts, trust_foreign_owner)
     except UntrustedPath as exc:
@@ -51,7 +51,7 @@ def untrusted_reason(path: Any, root: Any, trust_foreign_owner: bool = False) ->
     return None
 
 
-def _fault(st: os.stat_result, trust_foreign_owner: bool) -> Optional[str]:
+def ownership_fault(st: os.stat_result, trust_foreign_owner: bool) -> Optional[str]:
     """What makes a file or folder with this status untrusted, as ssh judges authorized_keys: an owner other than
     this user or root (unless trusted), or write access for group or others (a user's private group excepted)."""
     uid = os.getuid()
@@ -59,7 +59,7 @@ def _fault(st: os.stat_result, trust_foreign_owner: bool) -> Optional[str]:
         return (f"is owned by uid {st.st_uid}, neither this user (uid {uid}) nor root "
                 "(cache_trust_foreign_owner reads a cache shared on purpose)")
     writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable & stat.S_IWGRP and _private_group(st.st_uid, st.st_gid):
+    if writable & stat.S_IWGRP and private_group(st.st_uid, st.st_gid):
         writable &= ~stat.S_IWGRP
     if writable:
         who = "others" if writable == stat.S_IWOTH else "its group" if writable == stat.S_IWGRP else "group and others"
@@ -68,7 +68,7 @@ def _fault(st: os.stat_result, trust_foreign_owner: bool) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _private_group(uid: int, gid: int) -> bool:
+def private_group(uid: int, gid: int) -> bool:
     """Whether ``gid`` is the user private group of ``uid`` (named after the user, no other member), as a umask of
     002 makes group-writable folders on many systems; Debian's sshd accepts those too."""
     try:
@@ -90,22 +90,22 @@ def _checked_open(name: str, flags: int, dir_fd: int, shown: str, trust_foreign_
     if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
         raise UntrustedPath(shown, _SYMLINK)
     fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    reason = _fault(os.fstat(fd), trust_foreign_owner)
+    reason = ownership_fault(os.fstat(fd), trust_foreign_owner)
     if reason is not None:
         os.close(fd)
         raise UntrustedPath(shown, reason)
     return fd
 
 
-def _open_folder(root: Path, parts: Sequence[str], trust_foreign_owner: bool, create: bool = False) -> int:
+def open_folder(root: Path, parts: Sequence[str], trust_foreign_owner: bool, create: bool = False) -> int:
     """A descriptor of the folder ``root/parts``, each folder from the root down checked (the root's own path may
     pass through symbolic links: its target is checked); ``create`` makes the missing ones, mode 0700."""
     real_root = os.path.realpath(root)
     if create and not os.path.isdir(real_root):
         os.makedirs(os.path.dirname(real_root), exist_ok=True)
-        _make_folder(real_root)
+        make_folder(real_root)
     fd = os.open(real_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    reason = _fault(os.fstat(fd), trust_foreign_owner)
+    reason = ownership_fault(os.fstat(fd), trust_foreign_owner)
     if reason is not None:
         os.close(fd)
         raise UntrustedPath(str(root), reason)
@@ -113,7 +113,7 @@ def _open_folder(root: Path, parts: Sequence[str], trust_foreign_owner: bool, cr
     for part in parts:
         shown = shown / part
         if create:
-            _make_folder(part, fd)
+            make_folder(part, fd)
         try:
             next_fd = _checked_open(part, os.O_RDONLY | os.O_DIRECTORY, fd, str(shown), trust_foreign_owner)
         finally:
@@ -122,26 +122,26 @@ def _open_folder(root: Path, parts: Sequence[str], trust_foreign_owner: bool, cr
     return fd
 
 
-def _check_replaceable(name: str, dir_fd: int, shown: str) -> None:
+def check_replaceable(name: str, dir_fd: int, shown: str) -> None:
     """Raise :class:`UntrustedPath` when the file ``name`` exists and would not be read: a store does not replace
     it either (it stays for its owner to look at)."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
-    reason = _SYMLINK if stat.S_ISLNK(st.st_mode) else _fault(st, False)
+    reason = _SYMLINK if stat.S_ISLNK(st.st_mode) else ownership_fault(st, False)
     if reason is not None:
         raise UntrustedPath(shown, reason)
 
 
-def _make_folder(path: str, dir_fd: Optional[int] = None) -> None:
+def make_folder(path: str, dir_fd: Optional[int] = None) -> None:
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700, dir_fd=dir_fd)
 
 
-def _open_file(root: Path, parts: Sequence[str], trust_foreign_owner: bool) -> int:
+def open_file(root: Path, parts: Sequence[str], trust_foreign_owner: bool) -> int:
     """A descriptor of the regular file ``root/parts`` whose folders and itself pass the checks."""
-    folder = _open_folder(root, parts[:-1], trust_foreign_owner)
+    folder = open_folder(root, parts[:-1], trust_foreign_owner)
     try:
         # O_NONBLOCK: a FIFO planted in its place must not block the open
         fd = _checked_open(parts[-1], os.O_RDONLY | os.O_NONBLOCK, folder, str(root.joinpath(*parts)),

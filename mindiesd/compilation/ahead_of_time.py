@@ -18,7 +18,7 @@ the module is compiled again. With ``dynamic=True`` the input signature is the t
 process that starts at any size loads the symbolic graph another process stored (a model whose code specializes a
 size gets one artifact per such size, up to :data:`SLOTS` per signature, told apart by their guards). A truncated,
 corrupt or foreign artifact is ignored with a
-:class:`~mindiesd.compilation.cache.MindieSDCacheWarning` and compiled again. A forward Dynamo cannot trace as
+:class:`~mindiesd.compilation.storage.cache.MindieSDCacheWarning` and compiled again. A forward Dynamo cannot trace as
 one graph (graph breaks), or whose graph cannot be stored, runs through ``torch.compile`` with the same backend,
 with one warning that says why. Without a cache folder (``cache_dir=None``) the artifacts live in memory only.
 Device-graph capture (``aclgraph_*``) wraps the loaded graph, so captures are made afresh in each process.
@@ -40,11 +40,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import cache as graph_cache
-from .backend import MindieSDBackend, _folded_reader
+from .storage import cache as graph_cache
+from .backend import MindieSDBackend, folded_reader
 from .config import CompilationConfig
-from .context import _is_weight
-from .device_graph import wrap_for_capture
+from .context import is_weight
+from .runtime.device_graph import wrap_for_capture
 
 log = logging.getLogger("mindiesd.compilation")
 
@@ -88,7 +88,7 @@ class ArtifactGraph(_Serializable):  # type: ignore[misc,valid-type]
         frozen = run.frozen
         self.run = wrap_for_capture(run, CompilationConfig(**settings), torch.device(device) if device else None,
                                     self.weights, label="artifact graph",
-                                    reads=_folded_reader(frozen) if frozen is not None else None)
+                                    reads=folded_reader(frozen) if frozen is not None else None)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "ArtifactGraph") -> bytes:
@@ -120,7 +120,7 @@ class _ArtifactBackend:
             except ValueError as exc:
                 raise _NotStorable(str(exc)) from exc
         device = next((str(t.device) for t in example_inputs if isinstance(t, torch.Tensor)), None)
-        weights = tuple(i for i, t in enumerate(example_inputs) if _is_weight(t))
+        weights = tuple(i for i, t in enumerate(example_inputs) if is_weight(t))
         return ArtifactGraph(entry, self.backend.config.to_dict(), device, weights)
 
 

@@ -1,4 +1,4 @@
-"""Elementwise results and linear layers written where the graph reads them (``compilation/into.py``): a cast after
+"""Elementwise results and linear layers written where the graph reads them (``compilation/cleanup/write_into.py``): a cast after
 an op becomes the op's out variant, a concatenation of results the parts written into one buffer. The values are
 exactly eager's; what cannot be written as it was computed stays as it was."""
 
@@ -9,7 +9,7 @@ import torch
 
 from fusion_utils import compile_zoo_model, run_compiled
 from mindiesd.compilation import CompilationConfig, MindieSDBackend
-from mindiesd.compilation.into import cast_into, cat_into
+from mindiesd.compilation.cleanup.write_into import cast_into, cat_into
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from .fx_utils import Emitter, is_call, same_layout, tensor_val
+from ..fx_utils import Emitter, is_call, same_layout, tensor_val
 
 __all__ = ["restore_layout_checks"]
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch.fx import GraphModule, Node
 
-from .fx_utils import known_row_major
+from ..fx_utils import known_row_major
 
 log = logging.getLogger("mindiesd.compilation")
 
@@ -67,15 +67,15 @@ def _plan(name: str, out: torch.Tensor) -> Optional[Tuple[Optional[Tuple[int, ..
     """``(order,)`` where the layout adapter would call the kernel straight (``order`` None: a row-major output) or
     on inputs permuted to the output's memory order (``order``: that order, the permuted result being exactly the
     output's strides); None where it copies (the normalised dimension is not innermost)."""
-    from mindiesd.ops import _layout
+    from mindiesd.ops import layout
 
     shape, strides = tuple(out.shape), tuple(out.stride())
-    if strides == _layout.contiguous_strides(shape):
+    if strides == layout.contiguous_strides(shape):
         return (None,)
-    order = _layout._memory_order(shape, strides)
-    if name in _layout.ROW_OPS and order[-1] != len(shape) - 1:
+    order = layout._memory_order(shape, strides)
+    if name in layout.ROW_OPS and order[-1] != len(shape) - 1:
         return None
-    permuted = _layout.contiguous_strides(tuple(shape[d] for d in order))
+    permuted = layout.contiguous_strides(tuple(shape[d] for d in order))
     back = [0] * len(order)
     for position, dim in enumerate(order):
         back[dim] = permuted[position]
@@ -170,7 +170,7 @@ def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
     plan = _direct_plan(node, fact)
     if plan is None:
         return None
-    from mindiesd.ops import _layout
+    from mindiesd.ops import layout
 
     overload, name, order = node.target, plan.name, plan.order
     count = len(plan.picks)
@@ -180,7 +180,7 @@ def direct_kernel(node: Node, fact: Fact) -> Optional[Callable[..., Any]]:
     for position, dim in enumerate(order or ()):
         inverse[dim] = position
     # as the adapter does: x (a row op's) and the arguments that broadcast against it move with the order
-    moved = set(_layout._TABLE_ARGS[name]) | ({0} if name in _layout.ROW_OPS else set())
+    moved = set(layout._TABLE_ARGS[name]) | ({0} if name in layout.ROW_OPS else set())
     moved_args = tuple(sorted(i for i in moved if i < count))
     tail = (plan.out_dtype,) if plan.out_dtype is not None else ()
 
@@ -234,7 +234,7 @@ def _declined(*args: Any) -> None:
 #: and the methods of tensors), which parse their arguments without the boxed call of ``OpOverload._op`` (a view
 #: costs 0.7 us instead of 1.4). Each binding dispatches exactly what this overload dispatches for the arguments an
 #: aten graph passes: the overload itself, or for ``linear`` (which :mod:`.tidy` puts back in place of its
-#: decomposition) the same decomposition (``tests/compile/test_codegen.py`` checks every one under a dispatch mode).
+#: decomposition) the same decomposition (``tests/compile/test_python_runner.py`` checks every one under a dispatch mode).
 BOUND_OVERLOADS: Tuple[str, ...] = (
     "view.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims", "t.default", "permute.default",
     "expand.default", "transpose.int", "select.int", "split.Tensor", "split_with_sizes.default", "unbind.int",

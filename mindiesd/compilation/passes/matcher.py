@@ -25,8 +25,8 @@ import operator
 import torch
 from torch.fx import Node
 
-from ..ops.dtypes import is_compute_float, widens
-from .fx_utils import is_call, val
+from ...ops.dtypes import is_compute_float, widens
+from ..fx_utils import is_call, val
 
 aten = torch.ops.aten
 

@@ -36,7 +36,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch._dispatch.python import no_python_dispatcher
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .families import FAMILIES, SPEC_FAMILIES
+from ..families import FAMILIES, SPEC_FAMILIES
 
 log = logging.getLogger("mindiesd.compilation.explain")  # the explain log: every choice with its times
 
@@ -136,7 +136,7 @@ def choose_kernels(gm: GraphModule, device: torch.device, timer: Optional[Timer]
     module doc); the choices, one per distinct site signature."""
     from mindiesd.ops import registry
 
-    from .codegen import traced_facts
+    from .python_runner import traced_facts
 
     timer = timer or time_candidates
     measured = {FAMILIES[name].op.name for name in measured_families()}
@@ -172,7 +172,7 @@ def choose_kernels(gm: GraphModule, device: torch.device, timer: Optional[Timer]
 def _runner_call(node: Node, fact: Any) -> Optional[Callable[..., Any]]:
     """The fused op of ``node`` called as the generated runner calls it on the CPU: its C++ entry point with the
     arguments the entry takes (the op itself where the entry declines), or None where the runner dispatches it."""
-    from .codegen import _direct_plan, _LazyEntry, direct_kernel
+    from .python_runner import _direct_plan, _LazyEntry, direct_kernel
 
     plan = _direct_plan(node, fact)
     if plan is None:

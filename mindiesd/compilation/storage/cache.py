@@ -71,9 +71,9 @@ import torch
 from torch.fx import GraphModule
 
 from . import stored_graph
-from .sizes import SymbolicSizes
-from ..ops.trust import (  # noqa: F401  (public here as before: graph_cache.untrusted_reason)
-    UntrustedPath, _check_replaceable, _fault, _make_folder, _open_file, _open_folder, _private_group,
+from .symbolic_sizes import SymbolicSizes
+from ...files.trust import (  # noqa: F401  (public here as before: graph_cache.untrusted_reason)
+    UntrustedPath, check_replaceable, ownership_fault, make_folder, open_file, open_folder, private_group,
     untrusted_reason,
 )
 
@@ -152,13 +152,13 @@ _SOURCE_HASH: Optional[str] = None
 
 def _source_hash(root: Optional[Path] = None) -> str:
     """sha256 of the product's sources under ``root`` (default: the installed package): its ``__init__.py``, the
-    Python of ``compilation/`` and ``ops/`` and the ops' C++; a changed pass or op schema makes earlier entries
-    stale, a changed bench or zoo model does not."""
+    Python of ``compilation/``, ``ops/`` and ``files/`` and the ops' C++; a changed pass or op schema makes earlier
+    entries stale, a changed bench or zoo model does not."""
     global _SOURCE_HASH
     if root is None and _SOURCE_HASH is not None:
         return _SOURCE_HASH
-    package = Path(__file__).resolve().parent.parent if root is None else Path(root)
-    patterns = ("__init__.py", "compilation/**/*.py", "ops/**/*.py", "ops/**/*.cpp", "ops/**/*.h")
+    package = Path(__file__).resolve().parents[2] if root is None else Path(root)
+    patterns = ("__init__.py", "compilation/**/*.py", "ops/**/*.py", "files/**/*.py", "ops/**/*.cpp", "ops/**/*.h")
     digest = hashlib.sha256()
     for path in sorted({path for pattern in patterns for path in package.glob(pattern)}):
         digest.update(str(path.relative_to(package)).encode())
@@ -311,7 +311,7 @@ def calling_convention_problem(aten_gm: GraphModule, n_inputs: int) -> Optional[
         return "an output aliases an input or an intermediate"
     if meta.num_intermediate_bases or getattr(meta, "tokens", None):
         return "intermediate bases or effect tokens"
-    from .fx_utils import subclass_parts
+    from ..fx_utils import subclass_parts
 
     if subclass_parts(aten_gm.graph):
         return "a tensor-subclass input (aot unwraps it on every call)"
@@ -327,8 +327,8 @@ def calling_convention_problem(aten_gm: GraphModule, n_inputs: int) -> Optional[
 def runnable(entry: CachedGraph) -> Callable[..., Any]:
     """The callable Dynamo gets from a cache hit: the graphs on the flat inputs, without gradients (as aot runs
     an inference graph)."""
-    from .executor import runner
-    from .freezing import FrozenGraph
+    from ..runtime.executor import runner
+    from ..freezing import FrozenGraph
 
     if entry.fold is not None:
         frozen = FrozenGraph(entry.fold, entry.main, list(entry.fold_inputs), list(entry.main_inputs), entry.n_folded)
@@ -343,9 +343,9 @@ def runnable(entry: CachedGraph) -> Callable[..., Any]:
 def inference_call(run_graph: Callable[..., Any]) -> Callable[..., Any]:
     """``run_graph`` called as aot calls an inference graph whose calling convention it leaves as it is (no
     input mutation, no aliased output: :func:`calling_convention_problem`): without gradients."""
-    from .executor import Bound, Executed
+    from ..runtime.executor import BoundCall, CppRunner
 
-    if isinstance(run_graph, (Bound, Executed)):  # the program switches grad mode itself
+    if isinstance(run_graph, (BoundCall, CppRunner)):  # the program switches grad mode itself
         return run_graph.inference()
 
     def run(*args: Any) -> Any:
@@ -358,7 +358,7 @@ def inference_call(run_graph: Callable[..., Any]) -> Callable[..., Any]:
 # ------------------------------------------------------------------------------------------ trusted folders
 
 
-# UntrustedPath, untrusted_reason and the checked opens live in ``ops/trust.py`` (the C++ kernels' build cache
+# UntrustedPath, untrusted_reason and the checked opens live in ``files/trust.py`` (the C++ kernels' build cache
 # makes the same check before it imports a built module).
 
 
@@ -450,7 +450,7 @@ class CacheFolder:
         eviction orders by); None when there is none, or when it is not trusted (one warning per folder and
         reason)."""
         try:
-            fd = _open_file(self.root, path.relative_to(self.root).parts, self.trust_foreign_owner)
+            fd = open_file(self.root, path.relative_to(self.root).parts, self.trust_foreign_owner)
         except UntrustedPath as exc:
             _warn_untrusted(exc, "reading")
             return None
@@ -468,9 +468,9 @@ class CacheFolder:
         user's to write into or ``data`` alone passes the limit. Raises OSError when the write itself fails."""
         parts = path.relative_to(self.root).parts
         try:
-            folder = _open_folder(self.root, parts[:-1], False, create=True)
+            folder = open_folder(self.root, parts[:-1], False, create=True)
             try:
-                _check_replaceable(parts[-1], folder, str(path))
+                check_replaceable(parts[-1], folder, str(path))
             finally:
                 os.close(folder)
         except UntrustedPath as exc:
@@ -618,7 +618,7 @@ def cache_entries(folder: Optional[str]) -> List[Path]:
     return _files(folder, _holds_graphs, _SUFFIX) + artifact_files(folder)
 
 
-#: The folder of the ahead-of-time artifacts (:mod:`mindiesd.compilation.aot`) in a cache folder, and their suffix.
+#: The folder of the ahead-of-time artifacts (:mod:`mindiesd.compilation.ahead_of_time`) in a cache folder, and their suffix.
 ARTIFACT_FOLDER = "aot"
 ARTIFACT_SUFFIX = ".aot"
 

@@ -38,8 +38,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .config import CompilationConfig
-from .freezing import add_release_listener
+from ..config import CompilationConfig
+from ..freezing import add_release_listener
 
 log = logging.getLogger("mindiesd.compilation")
 

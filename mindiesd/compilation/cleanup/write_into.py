@@ -32,8 +32,8 @@ from typing import List, Optional
 import torch
 from torch.fx import Graph, Node
 
-from ..ops.dtypes import is_compute_float
-from .fx_utils import Emitter, is_call, tensor_val, writes_in_place
+from ...ops.dtypes import is_compute_float
+from ..fx_utils import Emitter, is_call, tensor_val, writes_in_place
 
 __all__ = ["write_into", "cast_into", "cat_into", "EXACT", "ROUNDED"]
 
