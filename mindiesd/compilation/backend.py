@@ -32,7 +32,8 @@ import mindiesd.ops  # noqa: F401  (registers torch.ops.mindiesd.*)
 from .families import check_known
 from .storage import cache as graph_cache
 from .runtime.kernel_choice import choose_kernels
-from .runtime.python_runner import compiled_code, traced_facts
+from .runtime.lowering import traced_facts
+from .runtime.python_runner import compiled_code
 from .runtime.executor import runner
 from .config import CompilationConfig
 from .context import GraphContext
@@ -347,7 +348,7 @@ def cached_entry(compiled: CompiledGraph) -> graph_cache.CachedGraph:
         fold_inputs=list(split.fold_inputs) if split is not None else [],
         main_inputs=list(split.main_inputs) if split is not None else [], n_folded=compiled.n_folded,
         matches=dict(compiled.matches), rules=dict(compiled.rules), skipped=dict(compiled.skipped),
-        nodes_after=compiled.nodes_after, direct=traced_facts(compiled.main),
+        nodes_after=compiled.nodes_after, facts=traced_facts(compiled.main),
         runner_code=compiled_code(compiled.code) if compiled.code is not None else None,
         kernel_choices=list(compiled.kernel_choices),
     )

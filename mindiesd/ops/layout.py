@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "concat_shape", "restride", "conform", "ROW_OPS"]
+__all__ = ["LAYOUTS", "declare", "output_layout", "empty_output", "concat_shape", "restride", "conform", "ROW_OPS",
+           "memory_order", "Permutation", "ROW_MAJOR", "call_plan"]
 
 #: The output layout rules: ``like_x`` follows ``torch.empty_like(x)``; ``contiguous`` is dense row-major;
 #: ``broadcast`` is the layout eager's ``x * y + z`` gives over the broadcast operands (or ``z + x * y``'s when
@@ -173,7 +175,7 @@ def restride(result: torch.Tensor, strides: tuple) -> torch.Tensor:
     return out.copy_(result)
 
 
-def _memory_order(shape: Sequence[int], strides: Sequence[int]) -> list:
+def memory_order(shape: Sequence[int], strides: Sequence[int]) -> list:
     """Dimensions from outermost to innermost; among equal strides a size-1 dimension goes inside the other,
     where a contiguous tensor of the permuted shape gives it the same stride."""
     return sorted(range(len(shape)), key=lambda d: (-strides[d], shape[d] == 1, d))
@@ -183,11 +185,68 @@ def _aligned(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t[(None,) * (rank - t.dim())] if t.dim() < rank else t
 
 
+@dataclass(frozen=True)
+class Permutation:
+    """How a kernel that returns row-major results gives an output in another memory order: the arguments at
+    ``moved`` (x of a row op, and those that broadcast against x) are permuted into ``order``, the kernel runs on
+    them, and its result is permuted back by ``inverse``. ``exact``: that result has exactly the output's strides
+    (else the adapter restrides it: a copy). The one place this permutation is worked out: the adapter
+    (:func:`conform`) applies it, and both runners call a kernel with it (the C++ executor from ``order``,
+    ``inverse`` and ``moved``). :data:`ROW_MAJOR` (empty ``order``) is the kernel's result as it is."""
+
+    order: tuple
+    inverse: tuple
+    moved: tuple
+    exact: bool
+
+    @classmethod
+    def of(cls, op: str, order: Sequence[int], exact: bool = True) -> "Permutation":
+        inverse = [0] * len(order)
+        for position, dim in enumerate(order):
+            inverse[dim] = position
+        moved = set(_TABLE_ARGS[op]) | ({0} if op in ROW_OPS else set())
+        return cls(tuple(order), tuple(inverse), tuple(sorted(moved)), exact)
+
+    @property
+    def row_major(self) -> bool:
+        return not self.order
+
+    def call(self, kernel: Callable[..., torch.Tensor], args: Sequence) -> torch.Tensor:
+        """``kernel(*args)`` with the moved arguments permuted and the result permuted back (None where the
+        kernel returns None: it declined the form)."""
+        if self.row_major:
+            return kernel(*args)
+        values, rank = list(args), len(self.order)
+        for i in self.moved:
+            if i < len(values) and isinstance(values[i], torch.Tensor):
+                values[i] = _aligned(values[i], rank).permute(self.order)
+        result = kernel(*values)
+        return result.permute(self.inverse) if result is not None else None
+
+
+#: The call of a kernel whose output is row-major: no permutation.
+ROW_MAJOR = Permutation((), (), (), True)
+
+
+def call_plan(op: str, shape: Sequence[int], strides: Sequence[int]) -> Permutation | None:
+    """How ``op``'s kernel is called for an output of ``shape`` and ``strides``: :data:`ROW_MAJOR`, a
+    :class:`Permutation` into the output's memory order, or None where no permutation gives the layout (a row
+    op whose normalised dimension is not innermost: the adapter copies)."""
+    shape, strides = tuple(shape), tuple(strides)
+    if strides == contiguous_strides(shape):
+        return ROW_MAJOR
+    order = memory_order(shape, strides)
+    if op in ROW_OPS and order[-1] != len(shape) - 1:
+        return None
+    permuted = contiguous_strides(tuple(shape[d] for d in order))
+    back = [0] * len(order)
+    for position, dim in enumerate(order):
+        back[dim] = permuted[position]
+    return Permutation.of(op, order, exact=tuple(back) == strides)
+
+
 def conform(op: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``kernel`` (which returns a contiguous tensor) made to return the layout of the rule."""
-    tables = _TABLE_ARGS[op]
-    rows = op in ROW_OPS
-
     arity = _ARITY[op]  # kernels take no layout flag (mul_add's addend_first): the adapter applies it
 
     @functools.wraps(kernel)
@@ -196,22 +255,10 @@ def conform(op: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., torch
             args = args + tuple(kwargs.values())
         shape, strides = output_layout(op, args)
         args = args[:arity] if arity else args
-        if strides == contiguous_strides(shape):
+        plan = call_plan(op, shape, strides)
+        if plan is None:  # the normalised dimension is not innermost
             return restride(kernel(*args), strides)
-        order = _memory_order(shape, strides)
-        if rows and order[-1] != len(shape) - 1:
-            return restride(kernel(*args), strides)  # the normalised dimension is not innermost
-        moved = list(args)
-        if rows:
-            moved[0] = args[0].permute(order)
-        for i in tables:
-            if isinstance(args[i], torch.Tensor):
-                moved[i] = _aligned(args[i], len(shape)).permute(order)
-        result = kernel(*moved)
-        inverse = [0] * len(order)
-        for position, dim in enumerate(order):
-            inverse[dim] = position
-        return restride(result.permute(inverse), strides)
+        return restride(plan.call(kernel, args), strides)
 
     run.unconformed = kernel
     return run

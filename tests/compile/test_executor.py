@@ -14,6 +14,7 @@ from fusion_utils import assert_close, run_compiled
 from mindiesd import zoo
 from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
 from mindiesd.compilation.runtime import executor, python_runner
+from mindiesd.compilation.runtime.lowering import DirectCall, Operand, lower
 from mindiesd.ops.kernels import cpp, cpp_build
 
 needs_program = pytest.mark.skipif(
@@ -186,12 +187,12 @@ def test_arithmetic_on_sizes_has_pythons_semantics():
         value.meta["val"] = 0
     graph.output(tuple(graph.call_function(torch.ops.aten.scalar_tensor.default, (v,)) for v in values))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    spec = executor.instructions(gm, {})
+    program = lower(gm, {})
     module = cpp_build.extension()
-    if spec is None or module is None or not hasattr(module, "Program"):
+    assert program.cpp_reason is None
+    if module is None or not hasattr(module, "Program"):
         pytest.skip("no C++ kernels extension in this process")
-    count, inputs, program, outputs, output_is_list, below, _ = spec
-    built = module.Program(count, inputs, list(program), outputs, output_is_list, below)
+    built = module.Program(program)
     for x, y in ((7, 2), (-7, 2), (7, -2), (-7, -3)):
         got = [t.item() for t in built.run((x, y))]
         assert got == pytest.approx([op(x, y) for op in ops], rel=1e-6)  # scalar_tensor: float32
@@ -303,15 +304,17 @@ def test_writes_into_an_input_rule_out_the_below_autograd_shortcut():
         return (y * 2,)
 
     x = torch.randn(3, 4)
-    own = executor.instructions(_graph(own_buffer, x), {})
-    assert own is not None and own[5] is True
-    written = executor.instructions(_graph(into_input, x, x.clone()), {})
-    assert written is not None and written[5] is False
+    own = lower(_graph(own_buffer, x), {})
+    assert own.cpp_reason is None and own.below_autograd is True
+    written = lower(_graph(into_input, x, x.clone()), {})
+    assert written.cpp_reason is None and written.below_autograd is False
 
 
 def test_a_graph_with_a_python_callable_keeps_the_generated_runner():
     gm = torch.fx.symbolic_trace(lambda x: (torch.sin(x) + 1,))
-    assert executor.instructions(gm, {}) is None  # torch.sin and operator.add: not operator overloads
+    program = lower(gm, {})  # torch.sin and operator.add: not operator overloads
+    assert "the callable" in program.cpp_reason and "sin" in program.cpp_reason
+    assert program.python_reason is None and not isinstance(executor.runner(gm, {}), executor.CppRunner)
 
 
 @needs_program
@@ -323,12 +326,15 @@ def test_instructions_release_each_value_after_its_last_read():
         return (torch.ops.aten.add.Tensor(c, x),)
 
     gm = _graph(chain, torch.randn(4))
-    count, inputs, program, outputs, _, _, _ = executor.instructions(gm, {})
-    freed = {slot for instruction in program for slot in instruction[5]}
-    assert set(range(count)) - set(outputs) == freed  # every value but the output is released
+    program = lower(gm, {})
+    freed = [slot for instruction in program.cpp_instructions for slot in instruction.slot_frees]
+    # every value but the output is released, once; the Python runner releases the same nodes
+    assert sorted(freed) == sorted(set(range(program.slot_count)) - set(program.output_slots))
+    released = [node.name for i in program.instructions for node in i.frees]
+    assert sorted(released) == sorted({node.name for node in gm.graph.nodes} - {"output", "add"})
     x = torch.randn(4)
     module = cpp_build.extension()
-    built = module.Program(count, inputs, list(program), outputs, False, True)
+    built = module.Program(program)
     assert len(built) == 4 and torch.equal(built.run((x,))[0], chain(x)[0])
     with pytest.raises(ValueError, match="takes 1 inputs, got 2"):
         built.run((x, x))
@@ -347,9 +353,10 @@ def test_linear_out_into_a_buffer_runs_its_cpp_entry_with_torch_linear_bits(dtyp
     written = graph.call_function(aten.linear.out, (x, w, b if biased else None), {"out": buffer})
     graph.output((graph.call_function(aten.mul.Tensor, (written, 2.0)),))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    count, inputs, program, outputs, _, below, _ = executor.instructions(gm, {})
-    assert below is True and [instruction[6][0] for instruction in program if instruction[6]] == ["linear_out"]
-    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True, 8)
+    program = lower(gm, {})
+    assert program.below_autograd is True
+    assert [i.direct.entry for i in program.cpp_instructions if i.direct] == ["linear_out"]
+    built = cpp_build.extension().Program(program, 8)
     gen = torch.Generator().manual_seed(3)
     args = (torch.randn(12, 24, generator=gen).to(dtype), torch.randn(40, 24, generator=gen).to(dtype),
             torch.randn(40, generator=gen).to(dtype))
@@ -372,11 +379,11 @@ def test_every_cpp_kernel_registers_its_executor_entry_and_the_executor_names_no
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     graph.output((graph.call_function(aten.relu.default, (x,)),))
-    count, inputs, program, outputs, _, _, _ = executor.instructions(torch.fx.GraphModule(torch.nn.Module(), graph), {})
-    unknown = ("no_such_op", [("slot", inputs[0])], None, None, [])
-    program = [(*instruction[:6], unknown, *instruction[7:]) for instruction in program]
+    program = lower(torch.fx.GraphModule(torch.nn.Module(), graph), {})
+    [relu] = program.cpp_instructions
+    relu.direct = DirectCall("no_such_op", (("arg", 0),), operands=[Operand("slot", program.inputs[0])])
     with pytest.raises(ValueError, match=r"no C\+\+ entry point named no_such_op"):
-        cpp_build.extension().Program(count, inputs, program, outputs, False, True, 8)
+        cpp_build.extension().Program(program, 8)
 
 
 @needs_program
@@ -395,9 +402,9 @@ def test_views_repeat_their_first_calls_geometry_only_for_an_input_of_that_geome
 
     base = torch.arange(5 * 4 * 3, dtype=torch.float32)
     gm = _graph(views, base.view(5, 4, 3))
-    count, inputs, program, outputs, _, below, _ = executor.instructions(gm, {})
-    assert below is True
-    built = cpp_build.extension().Program(count, inputs, list(program), outputs, False, True, 8)
+    program = lower(gm, {})
+    assert program.below_autograd is True
+    built = cpp_build.extension().Program(program, 8)
     view_ops = 7  # permute, split, unsqueeze, two selects, slice, t
 
     def check(x):
@@ -429,12 +436,11 @@ def test_the_view_memo_keeps_at_most_the_set_number_of_geometries(monkeypatch):
         return (aten.mul.Tensor(aten.t.default(aten.select.int(x, 0, 1)), 2.0),)
 
     gm = _graph(views, torch.randn(3, 4, 5))
-    count, inputs, program, outputs, _, _, _ = executor.instructions(gm, {})
+    program = lower(gm, {})
 
     def build(limit):
         monkeypatch.setenv(executor.VIEW_GEOMETRIES_ENV, str(limit))
-        return cpp_build.extension().Program(count, inputs, list(program), outputs, False, True,
-                                             executor.view_geometries())
+        return cpp_build.extension().Program(program, executor.view_geometries())
 
     def run(built, length):
         x = torch.randn(3, 4, length)
@@ -550,9 +556,9 @@ def test_views_that_reach_an_output_are_marked_to_run_above_the_view_tracking_la
         return (h, aten.t.default(aten.permute.default(h, [1, 0])), aten.add.Tensor(inner, 1.0))
 
     gm = _graph(graph, torch.randn(3, 4))
-    _, _, program, _, _, below, _ = executor.instructions(gm, {})
-    tracked = sorted(instruction[0] for instruction in program if instruction[7])
-    assert below is True and tracked == ["aten::permute", "aten::t"]
+    program = lower(gm, {})
+    tracked = sorted(instruction.name for instruction in program.instructions if instruction.tracked)
+    assert program.below_autograd is True and tracked == ["aten::permute", "aten::t"]
 
 
 @needs_program

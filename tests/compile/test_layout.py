@@ -57,7 +57,7 @@ def check_layout(fn, family, *args, dtype=torch.float32, count=1):
     """Compile ``fn(*args)`` followed by a view that needs eager's layout; assert fused, equal, no fallback."""
     with torch.no_grad():
         eager = fn(*args)
-    order = op_layout._memory_order(tuple(eager.shape), eager.stride())
+    order = op_layout.memory_order(tuple(eager.shape), eager.stride())
 
     def with_view(*a):
         y = fn(*a)

@@ -136,7 +136,7 @@ def choose_kernels(gm: GraphModule, device: torch.device, timer: Optional[Timer]
     module doc); the choices, one per distinct site signature."""
     from mindiesd.ops import registry
 
-    from .python_runner import traced_facts
+    from .lowering import traced_facts
 
     timer = timer or time_candidates
     measured = {FAMILIES[name].op.name for name in measured_families()}
@@ -170,25 +170,12 @@ def choose_kernels(gm: GraphModule, device: torch.device, timer: Optional[Timer]
 
 
 def _runner_call(node: Node, fact: Any) -> Optional[Callable[..., Any]]:
-    """The fused op of ``node`` called as the generated runner calls it on the CPU: its C++ entry point with the
-    arguments the entry takes (the op itself where the entry declines), or None where the runner dispatches it."""
-    from .python_runner import _direct_plan, _LazyEntry, direct_kernel
+    """The fused op of ``node`` called as the runners call it on the CPU: its C++ entry point with the arguments
+    the entry takes (the op itself where the entry declines), or None where the runners dispatch it."""
+    from .lowering import direct_call
 
-    plan = _direct_plan(node, fact)
-    if plan is None:
-        return None
-    if plan.order is not None:
-        return direct_kernel(node, fact)
-    entry, overload = _LazyEntry(plan.name), node.target
-    tail = (plan.out_dtype,) if plan.out_dtype is not None else ()
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        values = [args[where] if kind == "arg" else kwargs[where] if kind == "kwarg" else where
-                  for kind, where in plan.picks]
-        result = entry(*values, *tail)
-        return result if result is not None else overload(*args, **kwargs)
-
-    return call
+    direct = direct_call(node, fact)
+    return direct.function(node.target) if direct is not None else None
 
 
 def _signature(node: Node) -> Optional[Tuple[Any, ...]]:

@@ -107,13 +107,15 @@ class CachedGraph:
     rules: Dict[str, int] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)
     nodes_after: int = 0
-    #: The fused ops of ``main`` whose C++ kernels its runner may call straight (``codegen.traced_facts``).
-    direct: Dict[str, torch.dtype] = field(default_factory=dict)
-    #: The runner's compiled code (``codegen.compiled_code``), or None: a load then compiles the generated text.
+    #: The traced facts of ``main``'s nodes that its runners may call straight on their C++ entries (output dtype
+    #: and memory order, ``lowering.traced_facts``): a loaded graph's nodes carry no traced values.
+    facts: Dict[str, Any] = field(default_factory=dict)
+    #: The runner's compiled code (``python_runner.compiled_code``), or None: a load then compiles the generated
+    #: text.
     runner_code: Optional[Tuple[str, bytes]] = None
     #: What each measured fused op site runs, with the candidates' times (``kernel_choice``), for the report.
     kernel_choices: List[str] = field(default_factory=list)
-    #: The shape guards the compile added, over source names (``sizes.SymbolicSizes``): replayed on a load.
+    #: The shape guards the compile added, over source names (``symbolic_sizes.SymbolicSizes``): replayed on a load.
     guards: List[Any] = field(default_factory=list)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -124,7 +126,7 @@ class CachedGraph:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
-        state.setdefault("direct", {})  # stored before the runner existed: its fused ops use the dispatcher
+        state.setdefault("facts", state.pop("direct", {}))  # "direct" in entries of earlier versions
         state.setdefault("guards", [])
         state.setdefault("runner_code", None)
         state.setdefault("kernel_choices", [])
@@ -332,9 +334,9 @@ def runnable(entry: CachedGraph) -> Callable[..., Any]:
 
     if entry.fold is not None:
         frozen = FrozenGraph(entry.fold, entry.main, list(entry.fold_inputs), list(entry.main_inputs), entry.n_folded)
-        run_graph = frozen.bind(runner(entry.main, entry.direct, entry.runner_code))
+        run_graph = frozen.bind(runner(entry.main, entry.facts, entry.runner_code))
     else:
-        frozen, run_graph = None, runner(entry.main, entry.direct, entry.runner_code)
+        frozen, run_graph = None, runner(entry.main, entry.facts, entry.runner_code)
     run = inference_call(run_graph)
     run.frozen = frozen  # type: ignore[attr-defined]
     return run

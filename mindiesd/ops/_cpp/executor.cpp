@@ -1,10 +1,11 @@
 // executor: runs a fused graph (static or symbolic sizes) as one call from
-// Python.  The graph arrives once, as a list of instructions built by
-// mindiesd/compilation/runtime/executor.py: per node, the operator's handle, where each
-// of its schema arguments comes from (a value slot, a list of slots, or a
-// constant converted once to the schema's type), the slots its returns go to
-// and the slots released after it; Python's arithmetic on a graph's symbolic
-// sizes is an instruction of its own.  A run fills the input slots, calls each
+// Python.  The graph arrives once, as the program that
+// mindiesd/compilation/runtime/lowering.py lowers it into, read here field by
+// field by name: per instruction the operator (name and overload), where each
+// of its schema arguments comes from (operands: a value slot, a list of slots,
+// or a constant converted once to the schema's type), the slots its returns go
+// to and the slots released after it; Python's arithmetic on a graph's
+// symbolic sizes is an instruction of its own.  A run fills the input slots, calls each
 // operator through the dispatcher's boxed entry (what a Python call of the op
 // reaches, without parsing Python arguments or wrapping every result in a
 // Python object) and returns the output values.  A fused op with a C++ CPU
@@ -71,7 +72,7 @@ struct Arg {
   std::vector<int64_t> ints;   // kInts: the constant elements
 };
 
-// Python's operators on a graph's sizes (compilation/runtime/executor.py's _ARITHMETIC).
+// Python's operators on a graph's sizes (compilation/runtime/lowering.py's ARITHMETIC).
 enum class Arithmetic : int {
   kNone = -1, kAdd, kSub, kMul, kFloorDiv, kMod, kTrueDiv, kNeg, kPow, kMax, kMin, kFloat, kInt,
   kEq, kNe, kLt, kLe, kGt, kGe, kSum,
@@ -267,19 +268,18 @@ const Tensor& tensor_at(const std::vector<IValue>& slots, int64_t slot) {
 
 class Program {
  public:
-  Program(int64_t slot_count, std::vector<int64_t> inputs, py::list instructions, py::list outputs,
-          bool output_is_list, bool below_autograd_allowed, int64_t view_geometries)
-      : slot_count_(slot_count),
-        inputs_(std::move(inputs)),
-        output_is_list_(output_is_list),
-        below_autograd_allowed_(below_autograd_allowed),
+  // ``program``: a lowering.Program (slot_count, inputs, cpp_instructions, output_slots, output_is_list,
+  // below_autograd), read by field name.
+  Program(const py::object& program, int64_t view_geometries)
+      : slot_count_(py::cast<int64_t>(program.attr("slot_count"))),
+        inputs_(py::cast<std::vector<int64_t>>(program.attr("inputs"))),
+        output_is_list_(py::cast<bool>(program.attr("output_is_list"))),
+        below_autograd_allowed_(py::cast<bool>(program.attr("below_autograd"))),
         view_geometries_(view_geometries < 0 ? 0 : static_cast<size_t>(view_geometries)) {
-    for (const auto& item : instructions) {
-      program_.push_back(instruction(py::reinterpret_borrow<py::tuple>(item)));
+    for (const auto& item : program.attr("cpp_instructions")) {
+      program_.push_back(instruction(py::reinterpret_borrow<py::object>(item)));
     }
-    for (const auto& item : outputs) {
-      outputs_.push_back(py::cast<int64_t>(item));
-    }
+    outputs_ = py::cast<std::vector<int64_t>>(program.attr("output_slots"));
   }
 
   void set_selection(std::vector<int64_t> selection) {
@@ -420,34 +420,34 @@ class Program {
     throw std::invalid_argument("the executor takes tensors, numbers, bools and None as inputs");
   }
 
-  static Arg argument(const py::handle& spec, const c10::TypePtr& type) {
-    const auto tuple = py::reinterpret_borrow<py::tuple>(spec);
-    const auto kind = py::cast<std::string>(tuple[0]);
+  // one lowering.Operand (kind, value) for an argument of schema type ``type``
+  static Arg argument(const py::handle& operand, const c10::TypePtr& type) {
+    const auto kind = py::cast<std::string>(operand.attr("kind"));
+    const py::object value = operand.attr("value");
     Arg arg;
     if (kind == "slot" || kind == "take") {
       arg.kind = kind == "slot" ? Arg::kSlot : Arg::kTake;
-      arg.slot = py::cast<int64_t>(tuple[1]);
+      arg.slot = py::cast<int64_t>(value);
     } else if (kind == "const") {
       arg.kind = Arg::kConst;
-      arg.value = torch::jit::toIValue(tuple[1], type);
+      arg.value = torch::jit::toIValue(value, type);
     } else if (kind == "number") {
       // a Python number where the schema takes a tensor: the 0-dim "wrapped number" that Python's argument
       // parser makes of it, which type promotion treats as a scalar
       arg.kind = Arg::kConst;
-      const py::handle number = tuple[1];
-      if (PyBool_Check(number.ptr())) {
-        arg.value = wrapped_number(IValue(py::cast<bool>(number)));
-      } else if (PyLong_Check(number.ptr())) {
-        arg.value = wrapped_number(IValue(py::cast<int64_t>(number)));
+      if (PyBool_Check(value.ptr())) {
+        arg.value = wrapped_number(IValue(py::cast<bool>(value)));
+      } else if (PyLong_Check(value.ptr())) {
+        arg.value = wrapped_number(IValue(py::cast<int64_t>(value)));
       } else {
-        arg.value = wrapped_number(IValue(py::cast<double>(number)));
+        arg.value = wrapped_number(IValue(py::cast<double>(value)));
       }
     } else if (kind == "scalar") {
       arg.kind = Arg::kScalar;
-      arg.slot = py::cast<int64_t>(tuple[1]);
-    } else if (kind == "ints") {
+      arg.slot = py::cast<int64_t>(value);
+    } else if (kind == "ints") {  // pairs (is a slot, slot or int)
       arg.kind = Arg::kInts;
-      for (const auto& item : py::reinterpret_borrow<py::list>(tuple[1])) {
+      for (const auto& item : value) {
         const auto pair = py::reinterpret_borrow<py::tuple>(item);
         const bool is_slot = py::cast<bool>(pair[0]);
         arg.slots.push_back(is_slot ? py::cast<int64_t>(pair[1]) : -1);
@@ -455,55 +455,51 @@ class Program {
       }
     } else if (kind == "tensors" || kind == "optional_tensors") {
       arg.kind = kind == "tensors" ? Arg::kTensors : Arg::kOptionalTensors;
-      arg.slots = py::cast<std::vector<int64_t>>(tuple[1]);
+      arg.slots = py::cast<std::vector<int64_t>>(value);
     } else {
-      throw std::invalid_argument("unknown argument kind " + kind);
+      throw std::invalid_argument("unknown operand kind " + kind);
     }
     return arg;
   }
 
-  Instruction instruction(const py::tuple& spec) const {
-    // (name, overload, args, outs, unpack, frees, direct, tracked)
+  // one lowering.Instruction of kind "call" or "arithmetic"
+  Instruction instruction(const py::object& spec) const {
     Instruction in;
-    if (spec.size() != 8) {
-      throw std::invalid_argument("an instruction has 8 fields, got " + std::to_string(spec.size()));
-    }
-    const auto name = py::cast<std::string>(spec[0]);
-    const auto overload = py::cast<std::string>(spec[1]);
-    if (name == "mindiesd::arithmetic") {  // (name, operator, [(slot|const, value)], [out], [], frees, None, False)
+    const auto name = py::cast<std::string>(spec.attr("name"));
+    const auto overload = py::cast<std::string>(spec.attr("overload"));
+    const py::object operands = spec.attr("operands");
+    in.outs = py::cast<std::vector<int64_t>>(spec.attr("outs"));
+    in.frees = py::cast<std::vector<int64_t>>(spec.attr("slot_frees"));
+    if (name == "mindiesd::arithmetic") {  // operands: slots and constants; one result
       in.arithmetic = arithmetic_named(overload);
-      for (const auto& item : py::reinterpret_borrow<py::list>(spec[2])) {
-        const auto tuple = py::reinterpret_borrow<py::tuple>(item);
+      for (const auto& operand : operands) {
         Arg arg;
-        const auto kind = py::cast<std::string>(tuple[0]);
+        const auto kind = py::cast<std::string>(operand.attr("kind"));
         if (kind == "slot" || kind == "take") {
           arg.kind = Arg::kSlot;
-          arg.slot = py::cast<int64_t>(tuple[1]);
+          arg.slot = py::cast<int64_t>(operand.attr("value"));
         } else if (kind == "const") {
-          arg.value = torch::jit::toIValue(tuple[1], c10::NumberType::get());
+          arg.value = torch::jit::toIValue(operand.attr("value"), c10::NumberType::get());
         } else {
-          throw std::invalid_argument("arithmetic " + overload + ": an argument of kind " + kind);
+          throw std::invalid_argument("arithmetic " + overload + ": an operand of kind " + kind);
         }
         in.args.push_back(std::move(arg));
       }
-      in.outs = py::cast<std::vector<int64_t>>(spec[3]);
-      in.frees = py::cast<std::vector<int64_t>>(spec[5]);
       if (in.args.empty() || (in.args.size() > 2 && in.arithmetic != Arithmetic::kSum) || in.outs.size() != 1) {
-        throw std::invalid_argument("arithmetic " + overload + ": one or two arguments (sum: any), one result");
+        throw std::invalid_argument("arithmetic " + overload + ": one or two operands (sum: any), one result");
       }
       return in;
     }
     in.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     const auto& schema = in.op->schema();
-    const auto args = py::reinterpret_borrow<py::list>(spec[2]);
     const auto& arguments = schema.arguments();
-    if (args.size() != arguments.size()) {
-      throw std::invalid_argument(name + "." + overload + ": " + std::to_string(args.size()) +
-                                  " arguments for a schema of " + std::to_string(arguments.size()));
+    if (py::len(operands) != arguments.size()) {
+      throw std::invalid_argument(name + "." + overload + ": " + std::to_string(py::len(operands)) +
+                                  " operands for a schema of " + std::to_string(arguments.size()) + " arguments");
     }
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      const auto tuple = py::reinterpret_borrow<py::tuple>(args[i]);
-      if (py::cast<std::string>(tuple[0]) == "default") {
+    size_t i = 0;
+    for (const auto& operand : operands) {
+      if (py::cast<std::string>(operand.attr("kind")) == "default") {
         if (!arguments[i].default_value().has_value()) {
           throw std::invalid_argument(name + ": no default for " + arguments[i].name());
         }
@@ -511,10 +507,11 @@ class Program {
         arg.value = *arguments[i].default_value();
         in.args.push_back(std::move(arg));
       } else {
-        in.args.push_back(argument(tuple, arguments[i].type()));
+        in.args.push_back(argument(operand, arguments[i].type()));
       }
+      ++i;
     }
-    in.tracked = py::cast<bool>(spec[7]);
+    in.tracked = py::cast<bool>(spec.attr("tracked"));
     if (!in.tracked && is_geometric_view(name, overload) && !in.args.empty() &&
         (in.args[0].kind == Arg::kSlot || in.args[0].kind == Arg::kTake) &&
         std::all_of(in.args.begin() + 1, in.args.end(), [](const Arg& arg) {
@@ -524,34 +521,34 @@ class Program {
         in.view = std::make_unique<ViewMemo>(view_geometries_);
       }
     }
-    in.outs = py::cast<std::vector<int64_t>>(spec[3]);
     if (in.outs.size() != schema.returns().size()) {
       throw std::invalid_argument(name + ": return slots do not match the schema");
     }
-    in.unpack = py::cast<std::vector<std::pair<int64_t, int64_t>>>(spec[4]);
-    in.frees = py::cast<std::vector<int64_t>>(spec[5]);
-    if (!spec[6].is_none()) {
-      // (entry name, args, out_dtype or None, order or None, moved)
-      const auto direct = py::reinterpret_borrow<py::tuple>(spec[6]);
-      in.entry = entry_named(py::cast<std::string>(direct[0]));
+    in.unpack = py::cast<std::vector<std::pair<int64_t, int64_t>>>(spec.attr("elements"));
+    const py::object direct = spec.attr("direct");
+    if (!direct.is_none()) {  // a lowering.DirectCall: entry, operands, out_dtype, order, moved
+      in.entry = entry_named(py::cast<std::string>(direct.attr("entry")));
       // the entry takes the schema's leading arguments, in order
-      const auto picks = py::reinterpret_borrow<py::list>(direct[1]);
-      if (picks.size() > arguments.size()) {
+      const py::object picks = direct.attr("operands");
+      if (py::len(picks) > arguments.size()) {
         throw std::invalid_argument(name + ": more entry arguments than schema arguments");
       }
-      for (size_t i = 0; i < picks.size(); ++i) {
-        in.direct.push_back(argument(picks[i], arguments[i].type()));
+      size_t position = 0;
+      for (const auto& operand : picks) {
+        in.direct.push_back(argument(operand, arguments[position++].type()));
       }
-      if (!direct[2].is_none()) {
-        in.out_dtype = torch::jit::toIValue(direct[2], c10::IntType::get()).toScalarType();
+      const py::object out_dtype = direct.attr("out_dtype");
+      if (!out_dtype.is_none()) {
+        in.out_dtype = torch::jit::toIValue(out_dtype, c10::IntType::get()).toScalarType();
       }
-      if (!direct[3].is_none()) {
-        in.order = py::cast<std::vector<int64_t>>(direct[3]);
+      const py::object order = direct.attr("order");
+      if (!order.is_none()) {
+        in.order = py::cast<std::vector<int64_t>>(order);
         in.inverse.assign(in.order.size(), 0);
-        for (size_t position = 0; position < in.order.size(); ++position) {
-          in.inverse[in.order[position]] = static_cast<int64_t>(position);
+        for (size_t k = 0; k < in.order.size(); ++k) {
+          in.inverse[in.order[k]] = static_cast<int64_t>(k);
         }
-        in.moved = py::cast<std::vector<int64_t>>(direct[4]);
+        in.moved = py::cast<std::vector<int64_t>>(direct.attr("moved"));
       }
     }
     return in;
@@ -860,10 +857,8 @@ class Program {
 
 void bind_executor(py::module_& m) {
   py::class_<Program, std::shared_ptr<Program>>(
-      m, "Program", "A fused graph as instructions run from C++ (compilation/runtime/executor.py).")
-      .def(py::init<int64_t, std::vector<int64_t>, py::list, py::list, bool, bool, int64_t>(), py::arg("slot_count"),
-           py::arg("inputs"), py::arg("instructions"), py::arg("outputs"), py::arg("output_is_list"),
-           py::arg("below_autograd_allowed"), py::arg("view_geometries") = 8)
+      m, "Program", "A fused graph's lowered program (compilation/runtime/lowering.py) run from C++.")
+      .def(py::init<const py::object&, int64_t>(), py::arg("program"), py::arg("view_geometries") = 8)
       .def("run", &Program::run, py::arg("args"), py::arg("no_grad") = false)
       .def("run_selected", &Program::run_selected, py::arg("folded"), py::arg("args"), py::arg("no_grad"))
       .def_property("selection", &Program::selection, &Program::set_selection)
