@@ -18,6 +18,7 @@ reads it); the executor's slots are released after the last of its instructions 
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import logging
 import operator
@@ -522,8 +523,6 @@ def _release(program: Program) -> None:
     kept = set(program.output_slots)
     cpp = program.cpp_instructions
     starts = [position[i.node] for i in cpp]
-    import bisect
-
     for slot, at in released_at.items():
         if slot in kept:
             continue
