@@ -187,7 +187,7 @@ def kernel_build_command():
                 say(f"C++ CPU kernels {ext.name} ({index} of {len(self.extensions)}): reused from the last build "
                     "(same sources, torch and flags)")
                 return
-            say(f"compiling C++ CPU kernels {ext.name} ({index} of {len(self.extensions)}; about a minute each on "
+            say(f"compiling C++ CPU kernels {ext.name} ({index} of {len(self.extensions)}; about 2.5 minutes each on "
                 "2 cores)")
             temp, self.build_temp = self.build_temp, os.path.join(self.build_temp, ext.name.rpartition(".")[2])
             start = time.perf_counter()

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--build-cpu-kernels",
         action="store_true",
         help="build the C++ CPU kernels first where neither prebuilt kernels nor a cached build load "
-        "(one-time, ~30 s), so cpu_kernels "
+        "(one-time, a few minutes), so cpu_kernels "
         "names the implementation the ops will run, or the build's failure",
     )
     env_parser.set_defaults(handler=_env_command)

@@ -182,7 +182,7 @@ def report(build_cpu_kernels: bool = False) -> Dict[str, Any]:
     """Everything a bug report needs: versions, devices, kernels per device, device graphs, the caches.
 
     ``build_cpu_kernels``: compile the C++ CPU kernels first where neither prebuilt kernels nor a cached build
-    load (one-time, ~30 s).
+    load (one-time, a few minutes).
     """
     return {
         "mindiesd": MINDIESD_VERSION,

@@ -1,7 +1,7 @@
 """Tests of the single-pass C++ CPU kernels (mindiesd/ops/_cpp), their build (kernels/cpp_build.py) and their fallback.
 
 The kernels are the package build's prebuilt ones where it made them; otherwise the first test that needs them
-builds them (about a minute, once per machine: later runs load the cached build). The prebuilt modules, their
+builds them (a few minutes, once per machine: later runs load the cached build). The prebuilt modules, their
 manifest and setup.py have tests of their own in test_cpp_prebuilt.py.
 """
 

@@ -66,7 +66,7 @@ HEADERS = tuple(sorted(path.name for path in SOURCE_DIR.glob("*.h")))
 #: resolved out_dtype last): the self-check of each C++ kernel, filled by ``cpp.native``.
 SELF_CHECKS: dict = {}
 # Wall time of the first build on a 2-core machine, for the progress line.
-ESTIMATED_BUILD_SECONDS = 30
+ESTIMATED_BUILD_SECONDS = 180
 
 #: The instruction sets the kernels are built for (cache and module tag -> ISA flags, following ATen's own
 #: per-capability kernel flags), best first: a machine runs the first one it supports.
@@ -502,7 +502,7 @@ def cpu_kernel_implementation(build: bool = True) -> str:
     'C++ JIT-built (<capability>, <n> float lanes)' (built at first use) or 'composition (<reason>)'.
 
     It loads the C++ kernels, building them first where neither prebuilt kernels nor a cached build exist
-    (one-time, ~30 s). With ``build=False`` it never compiles: then it answers 'not built yet (...)'. Where
+    (one-time, a few minutes). With ``build=False`` it never compiles: then it answers 'not built yet (...)'. Where
     installed prebuilt kernels are not used, the answer ends with why.
     """
     module = extension(build)
