@@ -20,6 +20,7 @@ from mindiesd.compilation import (
     fusion_report,
 )
 from mindiesd.compilation.passes import PASSES
+from mindiesd.compilation.cleanup import AFTER_FUSION
 
 
 class AllFamilies(torch.nn.Module):
@@ -365,6 +366,10 @@ def test_graph_log_url_writes_each_pass(tmp_path, as_url):
     for family in FAMILIES:
         assert any(name.endswith(f"{family}.before.txt") for name in files)
         assert any(name.endswith(f"{family}.after.txt") for name in files)
+    # the clean-up steps after the passes are logged as the passes are, in their order, after every pass
+    steps = [name.split("_", 1)[1][:-len(".after.txt")] for name in files if name.endswith(".after.txt")]
+    cleanup = [step.name for step in AFTER_FUSION]
+    assert steps[-len(cleanup):] == cleanup and set(FAMILIES) <= set(steps[:-len(cleanup)])
     after = next(graphs[0].glob("*_mul_add.after.txt")).read_text()
     assert "mindiesd.rms_norm" in after
     summary = json.loads((graphs[0] / "summary.json").read_text())
