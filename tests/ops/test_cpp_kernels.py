@@ -822,3 +822,18 @@ def test_disabled_by_environment_loads_no_prebuilt_module():
         MINDIESD_CPP_KERNELS="0",
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    stale, live = tmp_path / "stale", tmp_path / "live"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "lock").touch()
+        (folder / "rope.o").touch()
+    old = time.time() - _cpp_build.STALE_LOCK_SECONDS - 60
+    for path in stale.iterdir():
+        os.utime(path, (old, old))
+    _cpp_build._clear_stale_lock(stale)
+    _cpp_build._clear_stale_lock(live)
+    assert not (stale / "lock").exists() and (live / "lock").exists()
+    assert "left by a build that did not finish" in capsys.readouterr().err

@@ -320,11 +320,30 @@ def _missing_tool() -> str | None:
     return None
 
 
+#: A build folder's lock whose folder has not changed for this long is left by a build that was killed (a live
+#: build writes an object file every minute or two): torch's build waits for a lock for ever, so it is removed.
+STALE_LOCK_SECONDS = 600
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """Remove the lock of ``directory`` where nothing in it changed for STALE_LOCK_SECONDS (saying so)."""
+    lock = directory / "lock"
+    try:
+        newest = max(path.stat().st_mtime for path in directory.iterdir())
+    except (OSError, ValueError):
+        return
+    if lock.exists() and time.time() - newest > STALE_LOCK_SECONDS:
+        print(f"mindiesd: removing {lock}, left by a build that did not finish (nothing in that folder changed "
+              f"for {STALE_LOCK_SECONDS // 60} min)", file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
+
+
 def _compile(name: str, flags: list[str], directory: Path) -> ModuleType:
     """Build the extension into ``directory`` and import it (raises on failure)."""
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _clear_stale_lock(directory)
     module = cpp_extension.load(
         name=name,
         sources=[str(SOURCE_DIR / file) for file in SOURCES],
