@@ -1,7 +1,7 @@
 """``mindiesd bench``: one sub-command per mode, each with only its own options.
 
-``bench model`` (the default), ``bench ops``, ``bench host``, ``bench sweep``, ``bench pipeline NAME`` and
-``bench distributed``. The forms of
+``bench model`` (the default), ``bench ops``, ``bench host``, ``bench sweep``, ``bench pipeline NAME``,
+``bench vae`` and ``bench distributed``. The forms of
 earlier releases keep working: ``bench [options]`` is ``bench model [options]``, ``bench --pipeline NAME
 [options]`` is ``bench pipeline NAME [options]`` and ``bench --world-size N [options]`` is ``bench distributed
 --world-size N [options]``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import distributed, host, models, ops, pipeline, sweep
+from . import distributed, host, models, ops, pipeline, sweep, vae
 
 #: Sub-command -> (module with ``add_arguments`` and ``run``, one-line help, description).
 MODES = {
@@ -48,6 +48,13 @@ MODES = {
         "Run a diffusers pipeline (registry transformer, small VAE, no text encoders) eager and compiled, "
         "optionally with diffusers' FirstBlockCache, and print per-variant seconds, step ms, errors and "
         "recompilations.",
+    ),
+    "vae": (
+        vae,
+        "a pipeline's VAE decode (AutoencoderKL, AutoencoderKLWan), eager against compiled, with the fused ops",
+        "Build a VAE from a config (Flux's AutoencoderKL geometry, Wan's AutoencoderKLWan) with random weights, "
+        "compile its decode with mindiesd (and Inductor with --vs inductor) and print per backend the first call's "
+        "seconds, the steady ms (interleaved), the speed-up over eager, the error and the fused ops.",
     ),
     "distributed": (
         distributed,

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, INT8_LINEAR, LINEAR_GELU,
-                        MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
+from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, GROUP_NORM_SILU, INT8_LINEAR,
+                        LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
-           "GEMM_FAMILIES", "QUANTIZED_FAMILIES", "OP_FAMILIES"]
+           "GEMM_FAMILIES", "QUANTIZED_FAMILIES", "CONV_FAMILIES", "OP_FAMILIES"]
 
 #: When a family's pass runs: ``fusion`` on the main graph after freezing (an op replaces an op sequence);
 #: ``freeze`` on the whole aten graph before it is split, so that what the rewrite computes from weights alone
 #: (a concatenated weight) is folded with the rest. A ``freeze`` family needs ``enable_freezing``.
 STAGES = ("freeze", "fusion")
-GROUPS = ("elementwise", "gemm", "quantized")
+GROUPS = ("elementwise", "gemm", "quantized", "convolutional")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class FusionFamily:
     stage: str = "fusion"
     #: ``elementwise`` (the ops that replace elementwise and row sequences: the specification's five families,
     #: norm_rope and glu), ``gemm`` (rewrites around the matrix products) or ``quantized`` (a quantized linear
-    #: layer as one op).
+    #: layer as one op) or ``convolutional`` (the norms and activations of convolutional networks: VAEs).
     group: str = "elementwise"
     #: For a family without an op: device type -> whether the rewrite gains there.
     rewrites: Mapping[str, Rewrite] = field(default_factory=dict)
@@ -89,7 +89,8 @@ class FusionFamily:
 #: overlap: int8_linear and dequant_linear run first, as their rescale ends in a multiply-add that mul_add would
 #: otherwise take; RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
 #: sums apart; rms_norm runs first since its output feeds RoPE, and norm_rope after both, as it joins their ops
-#: (and the concatenation between them) into one; glu runs before linear_gelu and fast_gelu, which
+#: (and the concatenation between them) into one; group_norm_silu runs before glu, which would otherwise take a
+#: SiLU after a group norm as the gate of a product; glu runs before linear_gelu and fast_gelu, which
 #: would otherwise take the gate's GELU out of its gated product; linear_gelu runs before fast_gelu, which would
 #: otherwise take the GELU away from its matmul; cat_linear runs last, as it replaces a matmul and its input
 #: concatenation that no other family reads.
@@ -152,6 +153,13 @@ FAMILIES: Dict[str, FusionFamily] = {
             op=ADALAYERNORM,
         ),
         FusionFamily(
+            name="group_norm_silu",
+            doc="Fuse a group norm and the SiLU after it (the ResNet blocks of AutoencoderKL and the other "
+                "convolutional VAEs), over a contiguous [N, C, *] input: NCHW, NCDHW.",
+            op=GROUP_NORM_SILU,
+            group="convolutional",
+        ),
+        FusionFamily(
             name="glu",
             doc="Fuse gated activations act(gate) * value (SiLU, GELU or tanh-GELU): SwiGLU/GEGLU halves of one "
                 "projection, or two projections as in LLaMA-style feed-forwards.",
@@ -191,6 +199,8 @@ SPEC_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group
 GEMM_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "gemm")
 #: The quantized linear layers, in run order.
 QUANTIZED_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "quantized")
+#: The norms and activations of convolutional networks (VAEs), in run order.
+CONV_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "convolutional")
 #: The families that emit an op of their own (``torch.ops.mindiesd.<name>``), in run order.
 OP_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.has_op)
 

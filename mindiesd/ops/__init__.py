@@ -16,10 +16,11 @@ import warnings
 import torch
 
 from . import kernels, reference, registry  # noqa: F401  (kernels registers the CPU, GEMM and NPU kernels)
-from .defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from .defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from .defs.adalayernorm import public as adalayernorm
 from .defs.fast_gelu import public as fast_gelu
 from .defs.glu import public as glu
+from .defs.group_norm_silu import public as group_norm_silu
 from .defs.mul_add import public as mul_add
 from .defs.norm_rope import public as norm_rope
 from .defs.rms_norm import public as rms_norm
@@ -31,6 +32,7 @@ __all__ = [
     "build_cpu_kernels",
     "fast_gelu",
     "glu",
+    "group_norm_silu",
     "mul_add",
     "norm_rope",
     "reference",
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 #: The Triton kernels' ops: declared here, as the module is only imported where CUDA and Triton exist.
-for _op in (RMS_NORM, ROPE, NORM_ROPE, ADALAYERNORM, GLU, FAST_GELU, MUL_ADD):
+for _op in (RMS_NORM, ROPE, NORM_ROPE, ADALAYERNORM, GROUP_NORM_SILU, GLU, FAST_GELU, MUL_ADD):
     registry.declare_kernel(_op, "cuda", note="Triton")
 
 

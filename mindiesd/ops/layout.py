@@ -13,6 +13,8 @@ them. The rule, the one eager's sequences follow (elementwise ops follow their i
   (weight.shape[0],)``; for ``cat_linear`` x is the list of inputs it concatenates, and the first one's leading
   dimensions count);
 * ``norm_rope``: contiguous, of the shape of the concatenation of its inputs (argument 0) along argument 1;
+* ``group_norm_silu``: ``like_x``, as ``group_norm``'s output (contiguous, channels-last); its kernels give it
+  themselves (``OWN_LAYOUT``), the adapter copies only a row-major result of a kernel that does not;
 * ``mul_add``: the layout eager's ``x * y + z`` gives (TensorIterator's rule, applied twice), or that of
   ``z + x * y`` with ``addend_first`` (the operand order decides between layouts that differ).
 
@@ -51,13 +53,19 @@ _LAYOUT: dict = globals().get("_LAYOUT", {})
 _ARITY: dict = globals().get("_ARITY", {})
 #: Per op, its input checks (they explain shapes that do not broadcast).
 _CHECKS: dict = globals().get("_CHECKS", {})
+#: Ops whose kernels return the rule's layout themselves: never permuted (``group_norm_silu``, whose channels are
+#: not a dimension a permutation may move).
+OWN_LAYOUT: set = globals().get("OWN_LAYOUT", set())
 
 
-def declare(op: str, layout: str, table_args: tuple, kernel_arity: int | None, rows: bool, checks: Callable) -> None:
+def declare(op: str, layout: str, table_args: tuple, kernel_arity: int | None, rows: bool, checks: Callable,
+            own_layout: bool = False) -> None:
     """Record the layout facts of ``op`` (called by ``registry.declare`` from the op's declaration)."""
     _LAYOUT[op], _TABLE_ARGS[op], _ARITY[op], _CHECKS[op] = layout, table_args, kernel_arity, checks
     if rows:
         ROW_OPS.add(op)
+    if own_layout:
+        OWN_LAYOUT.add(op)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -229,11 +237,12 @@ ROW_MAJOR = Permutation((), (), (), True)
 
 
 def call_plan(op: str, shape: Sequence[int], strides: Sequence[int]) -> Permutation | None:
-    """How ``op``'s kernel is called for an output of ``shape`` and ``strides``: :data:`ROW_MAJOR`, a
+    """How ``op``'s kernel is called for an output of ``shape`` and ``strides``: :data:`ROW_MAJOR` (also for an
+    ``OWN_LAYOUT`` op, whose kernels give the strides), a
     :class:`Permutation` into the output's memory order, or None where no permutation gives the layout (a row
     op whose normalised dimension is not innermost: the adapter copies)."""
     shape, strides = tuple(shape), tuple(strides)
-    if strides == contiguous_strides(shape):
+    if strides == contiguous_strides(shape) or op in OWN_LAYOUT:
         return ROW_MAJOR
     order = memory_order(shape, strides)
     if op in ROW_OPS and order[-1] != len(shape) - 1:

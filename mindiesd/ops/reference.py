@@ -17,6 +17,7 @@ from .defs.cat_linear import reference as cat_linear
 from .defs.dequant_linear import reference as dequant_linear
 from .defs.fast_gelu import reference as fast_gelu
 from .defs.glu import reference as glu
+from .defs.group_norm_silu import reference as group_norm_silu
 from .defs.int8_linear import reference as int8_linear
 from .defs.linear_gelu import reference as linear_gelu
 from .defs.mul_add import reference as mul_add
@@ -25,5 +26,5 @@ from .defs.rms_norm import reference as rms_norm
 from .defs.rope import full_width
 from .defs.rope import reference as rope
 
-__all__ = ["adalayernorm", "cat_linear", "dequant_linear", "fast_gelu", "full_width", "glu", "int8_linear",
+__all__ = ["adalayernorm", "cat_linear", "dequant_linear", "fast_gelu", "full_width", "glu", "group_norm_silu", "int8_linear",
            "linear_gelu", "mul_add", "norm_rope", "rms_norm", "rope"]

@@ -68,6 +68,9 @@ class OpDef:
     kernel_arity: int | None = None
     rows: bool = True
     layout_args: int = 1
+    #: The device kernels return the rule's layout themselves (x's channels-last, say): the adapter calls them on
+    #: the inputs as they are and copies only a result of other strides (the kernels that return row-major).
+    own_layout: bool = False
     #: The output dtype for the op's arguments; by default the first value the checks return when called with
     #: the arguments of their parameters' names. With the layout rule it makes the fake.
     output_dtype: Callable[..., torch.dtype] | None = None
@@ -134,7 +137,7 @@ def declare(op: OpDef) -> OpDef:
     if known is not None:
         return known
     OPS[op.name], SCHEMAS[op.name] = op, op.schema
-    layout.declare(op.name, op.layout, op.table_args, op.kernel_arity, op.rows, op.checks)
+    layout.declare(op.name, op.layout, op.table_args, op.kernel_arity, op.rows, op.checks, op.own_layout)
     if not hasattr(getattr(torch.ops, NAMESPACE), op.name):
         LIBRARY.define(op.schema)
         LIBRARY.impl(op.name, op.reference, "CompositeExplicitAutograd")

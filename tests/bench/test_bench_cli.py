@@ -565,3 +565,23 @@ def test_wide_flux_has_flux_1s_width_and_a_1024px_images_tokens():
     assert block.attn.to_q.weight.shape == (3072, 3072) and block.ff.net[2].weight.shape == (3072, 12288)
     assert 1.0e9 < sum(p.numel() for p in model.parameters()) < 1.03e9
     assert zoo.names(size="wide") == ("flux",)
+
+
+def test_bench_vae_decodes_fused_and_close_to_eager(monkeypatch):
+    from mindiesd.benchmarks import vae
+
+    pytest.importorskip("diffusers")
+    # the kl VAE at two levels and an 8 x 8 latent: the mode's rows, not its figures
+    cls, config, _ = vae.VAES["kl"]
+    small = dict(config, block_out_channels=(32, 32), down_block_types=config["down_block_types"][:2],
+                 up_block_types=config["up_block_types"][:2])
+    monkeypatch.setitem(vae.VAES, "kl", (cls, small, (1, 16, 8, 8)))
+    args = build_parser().parse_args(["bench", "vae", "--vae", "kl", "--iters", "2", "--warmup", "0", "--quiet"])
+    out = io.StringIO()
+    assert vae.run(args, stdout=out, stderr=io.StringIO()) == 0
+    text = out.getvalue()
+    rows = {line.split()[1]: line for line in text.splitlines() if line.startswith("kl ")}
+    assert set(rows) == {"eager", "mindiesd"}, text
+    # the decoder's 2 x 3 ResNet blocks (2 norms into a SiLU each) and conv_norm_out
+    assert "group_norm_silu=13" in rows["mindiesd"], text
+    assert float(rows["mindiesd"].split()[5]) < 1e-4, text  # the error column

@@ -6,6 +6,7 @@ a few seconds. The video VAEs get frames enough for one causal step after the fi
 decoded from 1 + 1 latent frames), so their causal convolutions read the frames they cached as well as write them.
 AutoencoderKL's attention block leaves a view whose traced strides differ from the real ones in the batch dim, the
 case that ``compilation/cleanup/layout_checks.py`` exists for; it is decoded from a channels-last latent too.
+Each case counts the group_norm_silu ops against the group norms that feed a SiLU in an eager run (module hooks).
 """
 
 from dataclasses import dataclass
@@ -102,10 +103,37 @@ def _decode(vae: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda latent: vae.decode(latent, return_dict=False)[0]
 
 
-def _check(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+def _norms_into_silu(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
+    """How many group norms of ``vae`` feed a SiLU straight in an eager run of ``fn(x)``: the group_norm_silu
+    family's sites, found by module hooks (a GroupNorm's output that an nn.SiLU then takes)."""
+    outputs, pairs = set(), [0]
+
+    def norm_ran(module, args, output):
+        outputs.add(id(output))
+
+    def silu_runs(module, args):
+        pairs[0] += id(args[0]) in outputs
+
+    hooks = [m.register_forward_hook(norm_ran) for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)]
+    hooks += [m.register_forward_pre_hook(silu_runs) for m in vae.modules() if isinstance(m, torch.nn.SiLU)]
+    try:
+        with torch.no_grad():
+            fn(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return pairs[0]
+
+
+def _check(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    sites = _norms_into_silu(vae, fn, x)
     actual, expected, _, backend = run_compiled(fn, x, config=CompilationConfig(strict=True))
     assert_close(actual, expected)
     assert not backend.report().fallbacks
+    fused = sum(1 for gm in backend.graphs for node in gm.graph.nodes
+                if node.op == "call_function" and node.target is torch.ops.mindiesd.group_norm_silu.default)
+    # every group norm that feeds a SiLU is fused (contiguous or channels-last: CPU convolutions return either)
+    assert fused == sites, (fused, sites)
 
 
 @pytest.mark.parametrize("part", ["encode", "decode"])
@@ -113,11 +141,11 @@ def _check(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
 def test_tiny_vae_matches_eager(name, part):
     vae, spec = _vae(name), VAES[name]
     if part == "encode":
-        _check(_encode(vae), _randn(*spec.sample))
+        _check(vae, _encode(vae), _randn(*spec.sample))
     else:
-        _check(_decode(vae), _randn(*spec.latent))
+        _check(vae, _decode(vae), _randn(*spec.latent))
 
 
 def test_autoencoder_kl_decodes_a_channels_last_latent():
     latent = _randn(*VAES["AutoencoderKL"].latent).contiguous(memory_format=torch.channels_last)
-    _check(_decode(_vae("AutoencoderKL")), latent)
+    _check(_vae("AutoencoderKL"), _decode(_vae("AutoencoderKL")), latent)

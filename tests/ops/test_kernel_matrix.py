@@ -111,6 +111,24 @@ CASES = {
         "two_tensors": lambda dt: (randn(3, 7, 33, dtype=dt), randn(3, 7, 33, dtype=dt, seed=1), "silu", True),
         "two_tensors_tanh": lambda dt: (randn(3, 40, dtype=dt), randn(3, 40, dtype=dt, seed=1), "gelu_tanh", False),
     },
+    "group_norm_silu": {
+        # AutoencoderKL's ResNet blocks: NCHW, per-channel affine
+        "nchw_affine": lambda dt: (randn(2, 8, 5, 6, dtype=dt), 4, randn(8, dtype=dt, seed=1),
+                                   randn(8, dtype=dt, seed=2), 1e-6),
+        # a video VAE's NCDHW, no affine, a group per 3 channels
+        "ncdhw_no_affine": lambda dt: (randn(1, 6, 3, 4, 5, dtype=dt) * 3 + 2, 2, None, None, 1e-5),
+        # float32 parameters beside a 16-bit x; positions not a multiple of the vector width
+        "float32_parameters": lambda dt: (randn(2, 4, 33, dtype=dt), 2,
+                                          randn(4, dtype=torch.float32, seed=1).abs() + 0.5,
+                                          randn(4, dtype=torch.float32, seed=2), 1e-5),
+        # channels-last x (what CPU convolutions return), the output channels-last too: 24 channels, a vector
+        # block and a tail per position; channels-last-3d with fewer channels than a vector
+        "channels_last": lambda dt: (randn(2, 24, 3, 4, dtype=dt).contiguous(memory_format=torch.channels_last), 8,
+                                     randn(24, dtype=dt, seed=1), None, 1e-6),
+        "channels_last_3d": lambda dt: (
+            (randn(1, 6, 2, 3, 4, dtype=dt) - 4).contiguous(memory_format=torch.channels_last_3d), 3, None,
+            randn(6, dtype=dt, seed=2), 1e-5),
+    },
     "fast_gelu": {
         "dense": lambda dt: (randn(3, 5, 40, dtype=dt),),
         "transposed": lambda dt: (randn(4, 6, 40, dtype=dt).transpose(0, 1),),

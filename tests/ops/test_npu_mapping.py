@@ -80,6 +80,21 @@ class StandInTorchNpu(types.ModuleType):
         result = r1.float() * values + r2.float() * rotate(values)
         return result.to(input.dtype)
 
+    def npu_group_norm_silu(self, input, weight, bias, group, eps=1e-5):
+        """(silu(group_norm(input)), mean, rstd): x of 2 to 8 dims, weight and bias [C] of one dtype no narrower
+        than x's, the output in x's dtype."""
+        self.calls.append(("npu_group_norm_silu", (input, weight, bias, group, eps), {}))
+        assert 2 <= input.dim() <= 8 and weight.shape == bias.shape == (input.shape[1],)
+        assert weight.dtype == bias.dtype and torch.promote_types(input.dtype, weight.dtype) == weight.dtype
+        values = input.float()
+        grouped = values.reshape(input.shape[0], group, -1)
+        mean = grouped.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(grouped.var(-1, unbiased=False, keepdim=True) + eps)
+        per_channel = (1, -1) + (1,) * (input.dim() - 2)
+        normed = ((grouped - mean) * rstd).reshape(input.shape) * weight.float().reshape(per_channel)
+        normed = normed + bias.float().reshape(per_channel)
+        return torch.nn.functional.silu(normed).to(input.dtype), mean.to(input.dtype), rstd.to(input.dtype)
+
     def npu_swiglu(self, input, dim=-1):
         """silu(A) * B of the first half A and the second half B of input along dim (contiguous input only)."""
         self.calls.append(("npu_swiglu", (input,), {"dim": dim}))

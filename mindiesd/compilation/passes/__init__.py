@@ -12,6 +12,7 @@ from .cat_linear import CatLinearPass
 from .dequant_linear import DequantLinearPass
 from .fast_gelu import FastGeluPass
 from .glu import GluPass
+from .group_norm_silu import GroupNormSiluPass
 from .int8_linear import Int8LinearPass
 from .linear_gelu import LinearGeluPass
 from .merge_projections import MergeProjectionsPass
@@ -21,8 +22,8 @@ from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
 _CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, Int8LinearPass, DequantLinearPass, RMSNormPass,
-                                        RoPEPass, NormRopePass, AdaLayerNormPass, GluPass, LinearGeluPass, FastGeluPass,
-                                        MulAddPass, CatLinearPass)}
+                                        RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, GluPass,
+                                        LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")
 

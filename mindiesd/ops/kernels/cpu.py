@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 from .. import reference, registry
 from .._rules import REDUCED_FLOAT_DTYPES, promote
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
+from ..defs.group_norm_silu import group_norm_silu_rules
 from ..defs.mul_add import mul_add_rules
 from ..defs.norm_rope import norm_rope_rules, rotated_shape
 from ..defs.rms_norm import rms_norm_rules
@@ -269,6 +270,16 @@ def adalayernorm(
     out = F.layer_norm(source, (width,), None, None, eps).contiguous()
     torch.addcmul(shift.to(work_dtype), out, scale.to(work_dtype).add(1), out=out)
     return _finish(out, out_dtype)
+
+
+@cpu_kernel(GROUP_NORM_SILU)
+def group_norm_silu(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+    """aten's group norm, then its SiLU in place over the norm's (new) output: eager's two kernels, one
+    allocation."""
+    group_norm_silu_rules(x, groups, weight, bias)
+    out = torch.ops.aten.group_norm.default(x, groups, weight, bias, eps)
+    return torch.ops.aten.silu_.default(out)
 
 
 _ACTIVATIONS_OUT = {

@@ -29,6 +29,10 @@ and the ops without such a kernel, run the reference composition.
   x * sigmoid(1.702 x), a different function from the tanh GELU this op is,
   and some torch_npu versions run ``F.gelu(x, approximate="tanh")`` as
   aclnnGelu without passing the approximation on, so neither is used.
+* group_norm_silu: ``torch_npu.npu_group_norm_silu(x, gamma, beta, group, eps)[0]``
+  (the norm with the biased variance, then SiLU; x of 2 to 8 dims in float16, bfloat16 or float32, gamma and beta
+  [C] of one dtype no narrower than x's: a missing one becomes ones or zeros of x's dtype).  Other forms run the
+  reference.  Not measured on an NPU.
 * adalayernorm, mul_add: reference; torch_npu has no binding of the same
   functions.
 """
@@ -43,12 +47,13 @@ import torch
 
 from .. import reference, registry
 from .._rules import promote
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, RMS_NORM, ROPE
 from ..defs.glu import glu_rules
+from ..defs.group_norm_silu import group_norm_silu_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "mul_add", "register", "rms_norm", "rope", "swiglu_covers"]
+__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "group_norm_silu", "mul_add", "register", "rms_norm", "rope", "swiglu_covers"]
 
 DEVICE_TYPE = "npu"
 
@@ -300,6 +305,34 @@ def adalayernorm(x, scale, shift, eps, out_dtype=None):
 def fast_gelu(x):
     """Reference tanh GELU; never npu_fast_gelu, which is x * sigmoid(1.702 x)."""
     return reference.fast_gelu(x)
+
+
+# Ranks of x that npu_group_norm_silu accepts.
+GROUP_NORM_SILU_RANKS = range(2, 9)
+
+
+def group_norm_silu_parameters(x, weight, bias):
+    """(gamma, beta) with which npu_group_norm_silu computes this op, or None."""
+    if x.dtype not in NPU_FLOAT_DTYPES or x.dim() not in GROUP_NORM_SILU_RANKS or x.numel() == 0:
+        return None
+    given = [t for t in (weight, bias) if t is not None]
+    dtype = given[0].dtype if given else x.dtype
+    if any(t.dtype != dtype for t in given) or dtype not in NPU_FLOAT_DTYPES or promote(x.dtype, dtype) != dtype:
+        return None
+    channels = x.shape[1]
+    gamma = weight if weight is not None else torch.ones(channels, dtype=dtype, device=x.device)
+    beta = bias if bias is not None else torch.zeros(channels, dtype=dtype, device=x.device)
+    return gamma, beta
+
+
+@_npu_kernel(GROUP_NORM_SILU, "npu_group_norm_silu where it computes the same function (not measured)")
+def group_norm_silu(x, groups, weight, bias, eps):
+    """npu_group_norm_silu where it computes this function, else the reference."""
+    group_norm_silu_rules(x, groups, weight, bias)
+    parameters = group_norm_silu_parameters(x, weight, bias)
+    if parameters is None:
+        return reference.group_norm_silu(x, groups, weight, bias, eps)
+    return _finish(_torch_npu().npu_group_norm_silu(x, *parameters, groups, eps)[0], x.dtype)
 
 
 @_npu_kernel(MUL_ADD, "no torch_npu kernel: the fp32 reference composition", fast=False)

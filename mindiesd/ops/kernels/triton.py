@@ -25,16 +25,17 @@ import triton.language as tl
 
 from .. import reference, registry
 from . import gemm
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
+from ..defs.group_norm_silu import group_norm_silu_rules
 from ..defs.mul_add import mul_add_rules
 from ..defs.norm_rope import norm_rope_rules, rotated_shape
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "mul_add", "norm_rope", "register", "rms_norm", "rope"]
+__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "group_norm_silu", "mul_add", "norm_rope", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "cuda"
 
@@ -306,6 +307,30 @@ def _norm_rope_kernel(
     out_row = _offset(coords, out_strides)
     _store(out_ptr, out_row + first * out_col, n_first * cos_first - n_second * sin_first, mask)
     _store(out_ptr, out_row + second * out_col, n_second * cos_second + n_first * sin_second, mask)
+
+
+@triton.jit
+def _group_norm_silu_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, groups, per_group, spatial, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (sample, group) of a contiguous [N, C, *] x: the group's mean and biased variance over its
+    ``per_group * spatial`` contiguous values (two reads), then silu(x_hat * weight[c] + bias[c])."""
+    task = tl.program_id(0).to(tl.int64)
+    size = per_group * spatial
+    base = task * size
+    mean = _row_sum(x_ptr + base, 1, size, 0.0, False, COMPUTE, BLOCK) / size
+    inv_std = tl.rsqrt(_row_sum(x_ptr + base, 1, size, mean, True, COMPUTE, BLOCK) / size + eps)
+    first_channel = (task % groups) * per_group
+    for start in range(0, size, BLOCK):
+        cols, mask = _columns(start, size, BLOCK)
+        y = (_load(x_ptr + base + cols, mask, COMPUTE) - mean) * inv_std
+        channel = first_channel + cols // spatial
+        if HAS_WEIGHT:
+            y = y * _load(w_ptr + channel, mask, COMPUTE)
+        if HAS_BIAS:
+            y = y + _load(b_ptr + channel, mask, COMPUTE)
+        _store(out_ptr, base + cols, y / (1.0 + tl.exp(-y)), mask)
 
 
 @triton.jit
@@ -594,6 +619,27 @@ def norm_rope(xs, dim, weights, eps, norm_dtype, head_dim, cos, sin, interleaved
         return fallback()
     return _run(shape, out_dtype, work_dtype, fallback, _launch_norm_rope, xs, dim, weights, eps, norm_dtype,
                 head_dim, cos, sin, interleaved)
+
+
+def _launch_group_norm_silu(out, compute, x, groups, weight, bias, eps):
+    """Launch the group_norm_silu kernel into ``out``: one program per (sample, group)."""
+    x = x.contiguous()
+    per_group = x.shape[1] // groups
+    spatial = x.numel() // (x.shape[0] * x.shape[1])
+    # A missing weight or bias: x stands in for its pointer (never read).
+    _group_norm_silu_kernel[(x.shape[0] * groups,)](
+        x, x if weight is None else weight.contiguous(), x if bias is None else bias.contiguous(), out, groups,
+        per_group, spatial, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, COMPUTE=compute,
+        BLOCK=min(triton.next_power_of_2(per_group * spatial), MAX_ROW_BLOCK), num_warps=8,
+    )
+
+
+@_triton_kernel(GROUP_NORM_SILU, slower="not measured on a GPU yet (bench/gpu_check.sh measures it)")
+def group_norm_silu(x, groups, weight, bias, eps):
+    """Group norm and SiLU; one program per (sample, group)."""
+    out_dtype, work_dtype = group_norm_silu_rules(x, groups, weight, bias)
+    fallback = partial(reference.group_norm_silu, x, groups, weight, bias, eps)
+    return _run(x.shape, out_dtype, work_dtype, fallback, _launch_group_norm_silu, x, groups, weight, bias, eps)
 
 
 def _launch_elementwise(kernel, out, compute, *operands):

@@ -1,0 +1,93 @@
+"""The group_norm_silu family on small convolutional blocks: each group norm whose output feeds a SiLU becomes one
+``mindiesd.group_norm_silu`` (counted in the final graph), for 2-D and 3-D convolutions, with and without the affine
+parameters, any eps and group count, in fp32 and bf16, contiguous and channels-last; the output equals eager's, in
+eager's layout. A norm without a SiLU after it stays aten's; the switch turns the family off."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_utils import assert_close
+from mindiesd.compilation import CompilationConfig, MindieSDBackend
+
+pytestmark = pytest.mark.filterwarnings("error::mindiesd.compilation.MindieSDFallbackWarning")
+
+
+class ResnetBlock(torch.nn.Module):
+    """AutoencoderKL's ResNet block in miniature: norm, SiLU, conv, norm, SiLU, conv, residual add; a norm without
+    an activation (an attention block's) at the end."""
+
+    def __init__(self, channels=8, groups=4, eps=1e-6, affine=True, dims=2):
+        super().__init__()
+        conv = torch.nn.Conv2d if dims == 2 else torch.nn.Conv3d
+        self.norm1 = torch.nn.GroupNorm(groups, channels, eps=eps, affine=affine)
+        self.conv1 = conv(channels, channels, 3, padding=1)
+        self.norm2 = torch.nn.GroupNorm(groups, channels, eps=eps, affine=affine)
+        self.conv2 = conv(channels, channels, 3, padding=1)
+        self.norm_out = torch.nn.GroupNorm(groups, channels, eps=eps, affine=affine)
+        with torch.no_grad():
+            for norm in (self.norm1, self.norm2, self.norm_out):
+                if affine:  # not the identity affine of a fresh module
+                    norm.weight.uniform_(0.5, 1.5)
+                    norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.norm_out(x + h)
+
+
+def _compile(module, x, **config):
+    backend = MindieSDBackend(CompilationConfig(**config), keep_graphs=True)
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        actual, expected = compiled(x), module(x)
+    fused = sum(1 for gm in backend.graphs for n in gm.graph.nodes
+                if n.op == "call_function" and n.target is torch.ops.mindiesd.group_norm_silu.default)
+    return actual, expected, fused, backend
+
+
+def _randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dims,groups,eps,affine", [(2, 4, 1e-6, True), (3, 2, 1e-5, False), (2, 8, 1e-3, True)],
+                         ids=["nchw", "ncdhw_no_affine", "nchw_group_per_channel"])
+def test_group_norm_and_silu_fuse(dims, groups, eps, affine, dtype):
+    block = ResnetBlock(groups=groups, eps=eps, affine=affine, dims=dims).eval().to(dtype)
+    x = _randn(2, 8, *((3, 6, 5) if dims == 3 else (6, 5)), dtype=dtype)
+    actual, expected, fused, backend = _compile(block, x)
+    assert fused == 2  # norm1 and norm2; norm_out has no SiLU after it
+    assert backend.report().matches["group_norm_silu"] == 2
+    assert actual.stride() == expected.stride()
+    assert_close(actual, expected)
+
+
+def test_functional_group_norm_without_affine_arguments():
+    def fn(x):
+        return F.silu(F.group_norm(x, 2))
+
+    x = _randn(3, 4, 7)
+    actual, expected, fused, _ = _compile(fn, x)
+    assert fused == 1
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("dims", [2, 3], ids=["channels_last", "channels_last_3d"])
+def test_channels_last_input_fuses_in_its_layout(dims):
+    block = ResnetBlock(dims=dims).eval()
+    x = _randn(2, 8, *((3, 6, 5) if dims == 3 else (6, 5)))
+    x = x.contiguous(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    actual, expected, fused, _ = _compile(block, x)
+    assert fused == 2
+    assert actual.stride() == expected.stride()
+    assert_close(actual, expected)
+
+
+def test_switch_off_stays_aten():
+    block = ResnetBlock().eval()
+    x = _randn(2, 8, 6, 5)
+    actual, expected, fused, backend = _compile(block, x.contiguous(), fusion_patterns={"enable_group_norm_silu": False})
+    assert fused == 0 and backend.report().matches.get("group_norm_silu", 0) == 0
+    assert_close(actual, expected)
