@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from ..ops import registry
-from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, GROUP_NORM_SILU, INT8_LINEAR,
+from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, CHANNEL_RMS_NORM, DEQUANT_LINEAR, FAST_GELU, GLU, GROUP_NORM_SILU, INT8_LINEAR,
                         LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
@@ -89,8 +89,9 @@ class FusionFamily:
 #: overlap: int8_linear and dequant_linear run first, as their rescale ends in a multiply-add that mul_add would
 #: otherwise take; RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
 #: sums apart; rms_norm runs first since its output feeds RoPE, and norm_rope after both, as it joins their ops
-#: (and the concatenation between them) into one; group_norm_silu runs before glu, which would otherwise take a
-#: SiLU after a group norm as the gate of a product; glu runs before linear_gelu and fast_gelu, which
+#: (and the concatenation between them) into one; group_norm_silu and channel_rms_norm run before glu, which
+#: would otherwise take their SiLU as the gate of a product, and channel_rms_norm before mul_add, which would
+#: otherwise take its weight and bias; glu runs before linear_gelu and fast_gelu, which
 #: would otherwise take the gate's GELU out of its gated product; linear_gelu runs before fast_gelu, which would
 #: otherwise take the GELU away from its matmul; cat_linear runs last, as it replaces a matmul and its input
 #: concatenation that no other family reads.
@@ -157,6 +158,13 @@ FAMILIES: Dict[str, FusionFamily] = {
             doc="Fuse a group norm and the SiLU after it (the ResNet blocks of AutoencoderKL and the other "
                 "convolutional VAEs), over a contiguous [N, C, *] input: NCHW, NCDHW.",
             op=GROUP_NORM_SILU,
+            group="convolutional",
+        ),
+        FusionFamily(
+            name="channel_rms_norm",
+            doc="Fuse the channel-wise RMS norm of Wan's and Qwen-Image's VAEs, F.normalize(x, dim=1) * scale * "
+                "gamma + bias, with the SiLU after it where there is one (contiguous or channels-last x).",
+            op=CHANNEL_RMS_NORM,
             group="convolutional",
         ),
         FusionFamily(

@@ -16,8 +16,9 @@ import warnings
 import torch
 
 from . import kernels, reference, registry  # noqa: F401  (kernels registers the CPU, GEMM and NPU kernels)
-from .defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from .defs import ADALAYERNORM, CHANNEL_RMS_NORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from .defs.adalayernorm import public as adalayernorm
+from .defs.channel_rms_norm import public as channel_rms_norm
 from .defs.fast_gelu import public as fast_gelu
 from .defs.glu import public as glu
 from .defs.group_norm_silu import public as group_norm_silu
@@ -30,6 +31,7 @@ from .registry import register_device_kernel
 __all__ = [
     "adalayernorm",
     "build_cpu_kernels",
+    "channel_rms_norm",
     "fast_gelu",
     "glu",
     "group_norm_silu",
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 #: The Triton kernels' ops: declared here, as the module is only imported where CUDA and Triton exist.
-for _op in (RMS_NORM, ROPE, NORM_ROPE, ADALAYERNORM, GROUP_NORM_SILU, GLU, FAST_GELU, MUL_ADD):
+for _op in (RMS_NORM, ROPE, NORM_ROPE, ADALAYERNORM, GROUP_NORM_SILU, CHANNEL_RMS_NORM, GLU, FAST_GELU, MUL_ADD):
     registry.declare_kernel(_op, "cuda", note="Triton")
 
 

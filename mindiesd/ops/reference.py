@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .defs.adalayernorm import reference as adalayernorm
 from .defs.cat_linear import reference as cat_linear
+from .defs.channel_rms_norm import reference as channel_rms_norm
 from .defs.dequant_linear import reference as dequant_linear
 from .defs.fast_gelu import reference as fast_gelu
 from .defs.glu import reference as glu
@@ -26,5 +27,5 @@ from .defs.rms_norm import reference as rms_norm
 from .defs.rope import full_width
 from .defs.rope import reference as rope
 
-__all__ = ["adalayernorm", "cat_linear", "dequant_linear", "fast_gelu", "full_width", "glu", "group_norm_silu", "int8_linear",
+__all__ = ["adalayernorm", "cat_linear", "channel_rms_norm", "dequant_linear", "fast_gelu", "full_width", "glu", "group_norm_silu", "int8_linear",
            "linear_gelu", "mul_add", "norm_rope", "rms_norm", "rope"]

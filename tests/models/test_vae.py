@@ -6,7 +6,8 @@ a few seconds. The video VAEs get frames enough for one causal step after the fi
 decoded from 1 + 1 latent frames), so their causal convolutions read the frames they cached as well as write them.
 AutoencoderKL's attention block leaves a view whose traced strides differ from the real ones in the batch dim, the
 case that ``compilation/cleanup/layout_checks.py`` exists for; it is decoded from a channels-last latent too.
-Each case counts the group_norm_silu ops against the group norms that feed a SiLU in an eager run (module hooks).
+Each case counts the group_norm_silu ops against the group norms that feed a SiLU in an eager run, and the
+channel_rms_norm ops against the calls of Wan's and Qwen-Image's channel-wise RMS norms (module hooks).
 """
 
 from dataclasses import dataclass
@@ -125,15 +126,39 @@ def _norms_into_silu(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: to
     return pairs[0]
 
 
+def _channel_norm_calls(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
+    """How many times a channel-first ``WanRMS_norm`` or ``QwenImageRMS_norm`` of ``vae`` runs in ``fn(x)``: the
+    channel_rms_norm family's sites (each call of a module unrolled by Dynamo is a site of its own)."""
+    calls = [0]
+
+    def counted(module, args):
+        calls[0] += 1
+
+    hooks = [m.register_forward_pre_hook(counted) for m in vae.modules()
+             if type(m).__name__ in ("WanRMS_norm", "QwenImageRMS_norm") and m.channel_first]
+    try:
+        with torch.no_grad():
+            fn(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls[0]
+
+
+def _fused(backend: Any, op: Any) -> int:
+    return sum(1 for gm in backend.graphs for node in gm.graph.nodes
+               if node.op == "call_function" and node.target is op)
+
+
 def _check(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-    sites = _norms_into_silu(vae, fn, x)
+    group_norms, channel_norms = _norms_into_silu(vae, fn, x), _channel_norm_calls(vae, fn, x)
     actual, expected, _, backend = run_compiled(fn, x, config=CompilationConfig(strict=True))
     assert_close(actual, expected)
     assert not backend.report().fallbacks
-    fused = sum(1 for gm in backend.graphs for node in gm.graph.nodes
-                if node.op == "call_function" and node.target is torch.ops.mindiesd.group_norm_silu.default)
-    # every group norm that feeds a SiLU is fused (contiguous or channels-last: CPU convolutions return either)
-    assert fused == sites, (fused, sites)
+    # every group norm that feeds a SiLU is fused (contiguous or channels-last: CPU convolutions return either),
+    # and every channel-wise RMS norm
+    assert _fused(backend, torch.ops.mindiesd.group_norm_silu.default) == group_norms
+    assert _fused(backend, torch.ops.mindiesd.channel_rms_norm.default) == channel_norms
 
 
 @pytest.mark.parametrize("part", ["encode", "decode"])

@@ -129,6 +129,17 @@ CASES = {
             (randn(1, 6, 2, 3, 4, dtype=dt) - 4).contiguous(memory_format=torch.channels_last_3d), 3, None,
             randn(6, dtype=dt, seed=2), 1e-5),
     },
+    "channel_rms_norm": {
+        # Wan's residual blocks: NCDHW, [C, 1, 1, 1] gamma, no bias (the module adds 0.0), SiLU after
+        "ncdhw_silu": lambda dt: (randn(1, 24, 2, 3, 5, dtype=dt), randn(24, 1, 1, 1, dtype=dt, seed=1), None,
+                                  24 ** 0.5, 1e-12, True),
+        # an image's [C, 1, 1] gamma and bias, no activation (the attention block's norm)
+        "nchw_bias": lambda dt: (randn(2, 6, 3, 4, dtype=dt) + 2, randn(6, 1, 1, dtype=dt, seed=1),
+                                 randn(6, 1, 1, dtype=dt, seed=2), 6 ** 0.5, 1e-12, False),
+        # channels-last, 40 channels: a vector block and a tail per position; float32 parameters
+        "channels_last": lambda dt: (randn(2, 40, 3, 2, dtype=dt).contiguous(memory_format=torch.channels_last),
+                                     randn(40, dtype=torch.float32, seed=1), None, 40 ** 0.5, 1e-12, True),
+    },
     "fast_gelu": {
         "dense": lambda dt: (randn(3, 5, 40, dtype=dt),),
         "transposed": lambda dt: (randn(4, 6, 40, dtype=dt).transpose(0, 1),),

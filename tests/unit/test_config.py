@@ -122,10 +122,11 @@ def test_backend_rejects_non_config():
 def test_enabled_families_in_pass_order():
     fp = FusionPatterns(enable_rope=False)
     assert fp.enabled_families() == ("merge_projections", "int8_linear", "dequant_linear", "rms_norm", "norm_rope",
-                                     "adalayernorm", "group_norm_silu", "glu", "linear_gelu", "fast_gelu", "mul_add",
-                                     "cat_linear")
+                                     "adalayernorm", "group_norm_silu", "channel_rms_norm", "glu", "linear_gelu",
+                                     "fast_gelu", "mul_add", "cat_linear")
     fp = FusionPatterns(enable_merge_projections=False, enable_int8_linear=False, enable_dequant_linear=False,
-                        enable_linear_gelu=False, enable_cat_linear=False, enable_group_norm_silu=False)
+                        enable_linear_gelu=False, enable_cat_linear=False, enable_group_norm_silu=False,
+                        enable_channel_rms_norm=False)
     assert fp.enabled_families() == ("rms_norm", "rope", "norm_rope", "adalayernorm", "glu", "fast_gelu", "mul_add")
 
 
@@ -285,7 +286,7 @@ def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
     assert record.skipped["fast_gelu"] == "the cpu kernel is too slow"
     assert set(record.skipped) == {"fast_gelu", "merge_projections", "linear_gelu"}  # GEMM: CPU default
     assert record.matches == {"int8_linear": 0, "dequant_linear": 0, "rms_norm": 1, "rope": 0, "norm_rope": 0, "adalayernorm": 0,
-                              "group_norm_silu": 0, "glu": 0, "mul_add": 0, "cat_linear": 0}
+                              "group_norm_silu": 0, "channel_rms_norm": 0, "glu": 0, "mul_add": 0, "cat_linear": 0}
     assert record.fallback is None
 
 

@@ -9,6 +9,7 @@ from ..families import FAMILIES
 from .adalayernorm import AdaLayerNormPass
 from .base import FusionPass, Rule
 from .cat_linear import CatLinearPass
+from .channel_rms_norm import ChannelRmsNormPass
 from .dequant_linear import DequantLinearPass
 from .fast_gelu import FastGeluPass
 from .glu import GluPass
@@ -22,8 +23,8 @@ from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
 _CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, Int8LinearPass, DequantLinearPass, RMSNormPass,
-                                        RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, GluPass,
-                                        LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
+                                        RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, ChannelRmsNormPass,
+                                        GluPass, LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")
 

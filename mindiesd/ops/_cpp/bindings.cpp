@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("head_dim"), arg("cos"), arg("sin"), arg("interleaved"), arg("out_dtype"), release);
   m.def("glu", &mindiesd_cpu::glu, arg("x"), arg("y"), arg("activation"), arg("gate_first"), release);
   m.def("fast_gelu", &mindiesd_cpu::fast_gelu, arg("x"), release);
+  m.def("channel_rms_norm", &mindiesd_cpu::channel_rms_norm, arg("x"), arg("weight"), arg("bias"), arg("scale"),
+        arg("eps"), arg("silu"), release);
   m.def("group_norm_silu", &mindiesd_cpu::group_norm_silu, arg("x"), arg("groups"), arg("weight"), arg("bias"),
         arg("eps"), release);
   m.def("linear", &mindiesd_cpu::linear, arg("x"), arg("weight"), arg("bias"), release);

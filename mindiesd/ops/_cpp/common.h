@@ -659,6 +659,32 @@ void dispatch_row_types(ScalarType x_dtype, ScalarType param_dtype, ScalarType o
   });
 }
 
+// A per-channel parameter (C values, contiguous) as float32 values (nullptr: none); ``holder`` keeps a converted
+// copy alive (group_norm_silu.cpp, channel_rms_norm.cpp).
+inline const float* channel_values(const std::optional<Tensor>& p, Tensor& holder) {
+  if (!p.has_value() || !p->defined()) {
+    return nullptr;
+  }
+  holder = (p->scalar_type() == ScalarType::Float && p->is_contiguous()) ? *p : p->to(ScalarType::Float).contiguous();
+  return holder.const_data_ptr<float>();
+}
+
+// Whether x's channels (dim 1) are innermost and the other dims dense around them in order: N, the spatial
+// dims, C (channels-last, channels-last-3d, and the like for any rank). group_norm_silu.cpp, channel_rms_norm.cpp.
+inline bool channels_innermost(const Tensor& x) {
+  if (x.stride(1) != 1 && x.size(1) != 1) {
+    return false;
+  }
+  int64_t expected = x.size(1);
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (x.size(d) != 1 && x.stride(d) != expected) {
+      return false;
+    }
+    expected *= x.size(d);
+  }
+  return x.size(0) == 1 || x.stride(0) == expected;
+}
+
 // A tensor re-read for many rows (at most 1/8 of x's size) is cheaper to
 // convert to float32 once than on every read.
 inline bool is_small_operand(const Tensor& t, int64_t x_numel) {

@@ -99,22 +99,6 @@ void group_norm_silu_kernel(const Tensor& x, const float* weight, const float* b
   });
 }
 
-// Whether x's channels (dim 1) are innermost and the other dims dense around them in order: N, the spatial
-// dims, C (channels-last, channels-last-3d, and the like for any rank).
-bool channels_innermost(const Tensor& x) {
-  if (x.stride(1) != 1 && x.size(1) != 1) {
-    return false;
-  }
-  int64_t expected = x.size(1);
-  for (int64_t d = x.dim() - 1; d >= 2; --d) {
-    if (x.size(d) != 1 && x.stride(d) != expected) {
-      return false;
-    }
-    expected *= x.size(d);
-  }
-  return x.size(0) == 1 || x.stride(0) == expected;
-}
-
 // Channels innermost: each sample is [S, C] row-major. Per sample, partial per-channel sums of (v - shift) and of
 // its square over blocks of rows (in parallel; shift: the first value of the channel's group), combined per group
 // in double; then each row normalised, scaled and activated with per-channel factors.
@@ -211,15 +195,6 @@ void group_norm_silu_channels_last(const Tensor& x, const float* weight, const f
     }
     finish_streaming(stream);
   });
-}
-
-// A per-channel parameter as float32 values (nullptr: none); ``holder`` keeps a converted copy alive.
-const float* channel_values(const std::optional<Tensor>& p, Tensor& holder) {
-  if (!p.has_value() || !p->defined()) {
-    return nullptr;
-  }
-  holder = (p->scalar_type() == ScalarType::Float && p->is_contiguous()) ? *p : p->to(ScalarType::Float).contiguous();
-  return holder.const_data_ptr<float>();
 }
 
 bool covers_parameter(const std::optional<Tensor>& p, int64_t channels) {

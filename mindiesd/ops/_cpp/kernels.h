@@ -1,5 +1,6 @@
 // Entry points of the single-pass CPU kernels (one source per op: rms_norm.cpp,
 // adalayernorm.cpp, rope.cpp, glu.cpp, fast_gelu.cpp (linear_gelu too), group_norm_silu.cpp,
+// channel_rms_norm.cpp,
 // mul_add.cpp, cat_linear.cpp, int8_linear.cpp, dequant_linear.cpp; linear.cpp: aten's linear layer for the
 // generated runner; the build and streaming settings in common.cpp; helpers
 // shared by them in common.h).
@@ -37,6 +38,9 @@ std::optional<at::Tensor> norm_rope(
 std::optional<at::Tensor> glu(
     const at::Tensor& x, const std::optional<at::Tensor>& y, const std::string& activation, bool gate_first);
 std::optional<at::Tensor> fast_gelu(const at::Tensor& x);
+std::optional<at::Tensor> channel_rms_norm(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    double scale, double eps, bool silu);
 std::optional<at::Tensor> group_norm_silu(
     const at::Tensor& x, int64_t groups, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     double eps);

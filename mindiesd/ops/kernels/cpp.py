@@ -41,8 +41,8 @@ from .cpp_build import (  # noqa: F401  (the build's public names, as before the
     enabled,
     extension,
 )
-from ..defs import (ADALAYERNORM, CAT_LINEAR, DEQUANT_LINEAR, FAST_GELU, GLU, GROUP_NORM_SILU, INT8_LINEAR, LINEAR_GELU,
-                    MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
+from ..defs import (ADALAYERNORM, CAT_LINEAR, CHANNEL_RMS_NORM, DEQUANT_LINEAR, FAST_GELU, GLU, GROUP_NORM_SILU,
+                    INT8_LINEAR, LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["build_cpu_kernels", "cpu_kernel_implementation", "install", "native"]
 
@@ -109,6 +109,8 @@ glu = native(GLU, lambda t: (t.x, None, "gelu", True))
 fast_gelu = native(FAST_GELU, lambda t: (t.x,))
 # x [3, 2, 40] as 3 samples of 2 channels (two groups of one), 40 positions, with per-channel weight and bias
 group_norm_silu = native(GROUP_NORM_SILU, lambda t: (t.x, 2, t.w[:2], t.shift[:2], 1e-6))
+# the same x normalised over its 2 channels at each of its 40 positions, weighted, shifted and activated
+channel_rms_norm = native(CHANNEL_RMS_NORM, lambda t: (t.x, t.w[:2], t.shift[:2], 1.5, 1e-12, True))
 linear_gelu = native(LINEAR_GELU, lambda t: (t.x, t.scale.reshape(3, 40), t.w[:3]))
 # x [3, 2, 40] beside its first 10 columns, through a [3, 50] weight
 cat_linear = native(CAT_LINEAR, lambda t: ([t.x, t.x[..., :10]], t.scale.reshape(3, 40).repeat(1, 2)[:, :50], t.w[:3]))

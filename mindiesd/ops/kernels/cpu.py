@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from .. import reference, registry
 from .._rules import REDUCED_FLOAT_DTYPES, promote
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, CHANNEL_RMS_NORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
+from ..defs.channel_rms_norm import channel_rms_norm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
 from ..defs.group_norm_silu import group_norm_silu_rules
@@ -280,6 +281,23 @@ def group_norm_silu(x: torch.Tensor, groups: int, weight: torch.Tensor | None, b
     group_norm_silu_rules(x, groups, weight, bias)
     out = torch.ops.aten.group_norm.default(x, groups, weight, bias, eps)
     return torch.ops.aten.silu_.default(out)
+
+
+@cpu_kernel(CHANNEL_RMS_NORM)
+def channel_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: float,
+                     eps: float, silu: bool) -> torch.Tensor:
+    """Eager's ops (``F.normalize``, the scale, weight and bias, the SiLU) in the compute dtype (float32 for 16-bit
+    inputs), in place after the division, rounded once."""
+    out_dtype, work_dtype = channel_rms_norm_rules(x, weight, bias)
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
+    out = F.normalize(x.to(work_dtype), dim=1, eps=eps).mul_(scale)
+    if weight is not None:
+        out.mul_(weight.to(work_dtype).reshape(shape))
+    if bias is not None:
+        out.add_(bias.to(work_dtype).reshape(shape))
+    if silu:
+        torch.ops.aten.silu_.default(out)
+    return _finish(out, out_dtype)
 
 
 _ACTIVATIONS_OUT = {

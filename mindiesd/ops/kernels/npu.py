@@ -33,7 +33,7 @@ and the ops without such a kernel, run the reference composition.
   (the norm with the biased variance, then SiLU; x of 2 to 8 dims in float16, bfloat16 or float32, gamma and beta
   [C] of one dtype no narrower than x's: a missing one becomes ones or zeros of x's dtype).  Other forms run the
   reference.  Not measured on an NPU.
-* adalayernorm, mul_add: reference; torch_npu has no binding of the same
+* channel_rms_norm, adalayernorm, mul_add: reference; torch_npu has no binding of the same
   functions.
 """
 
@@ -47,13 +47,13 @@ import torch
 
 from .. import reference, registry
 from .._rules import promote
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, CHANNEL_RMS_NORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, RMS_NORM, ROPE
 from ..defs.glu import glu_rules
 from ..defs.group_norm_silu import group_norm_silu_rules
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "group_norm_silu", "mul_add", "register", "rms_norm", "rope", "swiglu_covers"]
+__all__ = ["KERNELS", "adalayernorm", "channel_rms_norm", "fast_gelu", "glu", "group_norm_silu", "mul_add", "register", "rms_norm", "rope", "swiglu_covers"]
 
 DEVICE_TYPE = "npu"
 
@@ -333,6 +333,12 @@ def group_norm_silu(x, groups, weight, bias, eps):
     if parameters is None:
         return reference.group_norm_silu(x, groups, weight, bias, eps)
     return _finish(_torch_npu().npu_group_norm_silu(x, *parameters, groups, eps)[0], x.dtype)
+
+
+@_npu_kernel(CHANNEL_RMS_NORM, "no torch_npu kernel: the fp32 reference composition", fast=False)
+def channel_rms_norm(x, weight, bias, scale, eps, silu):
+    """Reference composition (npu_rms_norm normalises the last dims, not the channels)."""
+    return reference.channel_rms_norm(x, weight, bias, scale, eps, silu)
 
 
 @_npu_kernel(MUL_ADD, "no torch_npu kernel: the fp32 reference composition", fast=False)

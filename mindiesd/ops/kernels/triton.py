@@ -25,8 +25,9 @@ import triton.language as tl
 
 from .. import reference, registry
 from . import gemm
-from ..defs import ADALAYERNORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
+from ..defs import ADALAYERNORM, CHANNEL_RMS_NORM, FAST_GELU, GLU, GROUP_NORM_SILU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE
 from ..defs.adalayernorm import adalayernorm_rules
+from ..defs.channel_rms_norm import channel_rms_norm_rules
 from ..defs.fast_gelu import fast_gelu_rules
 from ..defs.glu import glu_rules, halves
 from ..defs.group_norm_silu import group_norm_silu_rules
@@ -35,7 +36,7 @@ from ..defs.norm_rope import norm_rope_rules, rotated_shape
 from ..defs.rms_norm import rms_norm_rules
 from ..defs.rope import rope_rules
 
-__all__ = ["KERNELS", "adalayernorm", "fast_gelu", "glu", "group_norm_silu", "mul_add", "norm_rope", "register", "rms_norm", "rope"]
+__all__ = ["KERNELS", "adalayernorm", "channel_rms_norm", "fast_gelu", "glu", "group_norm_silu", "mul_add", "norm_rope", "register", "rms_norm", "rope"]
 
 DEVICE_TYPE = "cuda"
 
@@ -331,6 +332,33 @@ def _group_norm_silu_kernel(
         if HAS_BIAS:
             y = y + _load(b_ptr + channel, mask, COMPUTE)
         _store(out_ptr, base + cols, y / (1.0 + tl.exp(-y)), mask)
+
+
+@triton.jit
+def _channel_rms_norm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, channels, spatial, blocks, scale, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (sample, BLOCK positions) of a contiguous [N, C, S] x: the sums of squares down the channels,
+    then each channel's values times scale / max(norm, eps) * weight[c] + bias[c] (and SiLU)."""
+    task = tl.program_id(0).to(tl.int64)
+    base = (task // blocks) * channels * spatial
+    cols, mask = _columns((task % blocks) * BLOCK, spatial, BLOCK)
+    total = tl.zeros([BLOCK], dtype=COMPUTE)
+    for c in range(0, channels):
+        values = _load(x_ptr + base + c * spatial + cols, mask, COMPUTE)
+        total += values * values
+    factor = scale / tl.maximum(tl.sqrt(total), eps)
+    for c in range(0, channels):
+        y = _load(x_ptr + base + c * spatial + cols, mask, COMPUTE) * factor
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + c).to(COMPUTE)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + c).to(COMPUTE)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        _store(out_ptr, base + c * spatial + cols, y, mask)
 
 
 @triton.jit
@@ -640,6 +668,30 @@ def group_norm_silu(x, groups, weight, bias, eps):
     out_dtype, work_dtype = group_norm_silu_rules(x, groups, weight, bias)
     fallback = partial(reference.group_norm_silu, x, groups, weight, bias, eps)
     return _run(x.shape, out_dtype, work_dtype, fallback, _launch_group_norm_silu, x, groups, weight, bias, eps)
+
+
+def _launch_channel_rms_norm(out, compute, x, weight, bias, scale, eps, silu):
+    """Launch the channel_rms_norm kernel into ``out``: one program per (sample, 256 positions)."""
+    x = x.contiguous()
+    channels = x.shape[1]
+    spatial = x.numel() // (x.shape[0] * channels)
+    block = min(triton.next_power_of_2(max(spatial, 1)), 256)
+    blocks = triton.cdiv(spatial, block)
+    # A missing weight or bias: x stands in for its pointer (never read).
+    _channel_rms_norm_kernel[(x.shape[0] * blocks,)](
+        x, x if weight is None else weight.reshape(-1).contiguous(),
+        x if bias is None else bias.reshape(-1).contiguous(), out, channels, spatial, blocks, scale, eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, SILU=bool(silu), COMPUTE=compute, BLOCK=block,
+    )
+
+
+@_triton_kernel(CHANNEL_RMS_NORM, slower="not measured on a GPU yet (bench/gpu_check.sh measures it)")
+def channel_rms_norm(x, weight, bias, scale, eps, silu):
+    """The channel-wise RMS norm (and SiLU); one program per (sample, block of positions)."""
+    out_dtype, work_dtype = channel_rms_norm_rules(x, weight, bias)
+    fallback = partial(reference.channel_rms_norm, x, weight, bias, scale, eps, silu)
+    return _run(x.shape, out_dtype, work_dtype, fallback, _launch_channel_rms_norm, x, weight, bias, scale, eps,
+                silu)
 
 
 def _launch_elementwise(kernel, out, compute, *operands):

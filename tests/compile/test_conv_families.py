@@ -1,7 +1,9 @@
-"""The group_norm_silu family on small convolutional blocks: each group norm whose output feeds a SiLU becomes one
+"""The convolutional families on small blocks. group_norm_silu: each group norm whose output feeds a SiLU becomes one
 ``mindiesd.group_norm_silu`` (counted in the final graph), for 2-D and 3-D convolutions, with and without the affine
 parameters, any eps and group count, in fp32 and bf16, contiguous and channels-last; the output equals eager's, in
-eager's layout. A norm without a SiLU after it stays aten's; the switch turns the family off."""
+eager's layout. A norm without a SiLU after it stays aten's; the switch turns the family off. channel_rms_norm: diffusers'
+own WanRMS_norm (Wan's and Qwen-Image's VAEs), with and without bias and SiLU, images and video, fp32 and bf16,
+contiguous and channels-last."""
 
 import pytest
 import torch
@@ -91,3 +93,57 @@ def test_switch_off_stays_aten():
     actual, expected, fused, backend = _compile(block, x.contiguous(), fusion_patterns={"enable_group_norm_silu": False})
     assert fused == 0 and backend.report().matches.get("group_norm_silu", 0) == 0
     assert_close(actual, expected)
+
+
+def _count(backend, op):
+    return sum(1 for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+
+
+class WanNormBlock(torch.nn.Module):
+    """Wan's residual-block head: norm, SiLU, causal-style conv; then an attention-style norm without activation."""
+
+    def __init__(self, channels, images, bias):
+        super().__init__()
+        wan = pytest.importorskip("diffusers.models.autoencoders.autoencoder_kl_wan")
+        self.norm1 = wan.WanRMS_norm(channels, images=images, bias=bias)
+        self.conv = (torch.nn.Conv2d if images else torch.nn.Conv3d)(channels, channels, 3, padding=1)
+        self.norm2 = wan.WanRMS_norm(channels, images=images, bias=bias)
+        with torch.no_grad():
+            for norm in (self.norm1, self.norm2):
+                norm.gamma.uniform_(0.5, 1.5)
+                if bias:
+                    norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.norm2(self.conv(F.silu(self.norm1(x))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("images,bias,channels_last", [(False, False, False), (True, True, False),
+                                                       (False, False, True)],
+                         ids=["video", "images_bias", "video_channels_last"])
+def test_wan_rms_norm_fuses_with_and_without_silu(images, bias, channels_last, dtype):
+    block = WanNormBlock(24, images, bias).eval().to(dtype)
+    x = _randn(1, 24, *((6, 5) if images else (2, 6, 5)), dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    backend = MindieSDBackend(CompilationConfig(), keep_graphs=True)
+    with torch.no_grad():
+        actual, expected = torch.compile(block, backend=backend, fullgraph=True)(x), block(x)
+    op = torch.ops.mindiesd.channel_rms_norm.default
+    assert _count(backend, op) == 2
+    assert [n.args[5] for gm in backend.graphs for n in gm.graph.nodes if n.target is op] == [True, False]
+    assert actual.stride() == expected.stride()
+    assert_close(actual, expected)
+
+
+def test_a_norm_over_another_dim_stays_aten():
+    def fn(x):
+        return F.silu(F.normalize(x, dim=2) * 2.0)
+
+    backend = MindieSDBackend(CompilationConfig(), keep_graphs=True)
+    x = _randn(2, 4, 6, 5)
+    with torch.no_grad():
+        actual = torch.compile(fn, backend=backend, fullgraph=True)(x)
+    assert _count(backend, torch.ops.mindiesd.channel_rms_norm.default) == 0
+    assert_close(actual, fn(x))
