@@ -104,45 +104,36 @@ def _decode(vae: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda latent: vae.decode(latent, return_dict=False)[0]
 
 
-def _norms_into_silu(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
-    """How many group norms of ``vae`` feed a SiLU straight in an eager run of ``fn(x)``: the group_norm_silu
-    family's sites, found by module hooks (a GroupNorm's output that an nn.SiLU then takes)."""
-    outputs, pairs = set(), [0]
+def _sites(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Tuple[int, int]:
+    """The convolutional families' sites in an eager run of ``fn(x)``, found by module hooks: the group norms whose
+    output an nn.SiLU then takes (group_norm_silu), and the calls of a channel-first ``WanRMS_norm`` or
+    ``QwenImageRMS_norm`` (channel_rms_norm; each call of a module unrolled by Dynamo is a site of its own)."""
+    outputs, counts = set(), [0, 0]
 
     def norm_ran(module, args, output):
         outputs.add(id(output))
 
     def silu_runs(module, args):
-        pairs[0] += id(args[0]) in outputs
+        counts[0] += id(args[0]) in outputs
 
-    hooks = [m.register_forward_hook(norm_ran) for m in vae.modules() if isinstance(m, torch.nn.GroupNorm)]
-    hooks += [m.register_forward_pre_hook(silu_runs) for m in vae.modules() if isinstance(m, torch.nn.SiLU)]
+    def channel_norm_runs(module, args):
+        counts[1] += 1
+
+    hooks = []
+    for m in vae.modules():
+        if isinstance(m, torch.nn.GroupNorm):
+            hooks.append(m.register_forward_hook(norm_ran))
+        elif isinstance(m, torch.nn.SiLU):
+            hooks.append(m.register_forward_pre_hook(silu_runs))
+        elif type(m).__name__ in ("WanRMS_norm", "QwenImageRMS_norm") and m.channel_first:
+            hooks.append(m.register_forward_pre_hook(channel_norm_runs))
     try:
         with torch.no_grad():
             fn(x)
     finally:
         for hook in hooks:
             hook.remove()
-    return pairs[0]
-
-
-def _channel_norm_calls(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
-    """How many times a channel-first ``WanRMS_norm`` or ``QwenImageRMS_norm`` of ``vae`` runs in ``fn(x)``: the
-    channel_rms_norm family's sites (each call of a module unrolled by Dynamo is a site of its own)."""
-    calls = [0]
-
-    def counted(module, args):
-        calls[0] += 1
-
-    hooks = [m.register_forward_pre_hook(counted) for m in vae.modules()
-             if type(m).__name__ in ("WanRMS_norm", "QwenImageRMS_norm") and m.channel_first]
-    try:
-        with torch.no_grad():
-            fn(x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return calls[0]
+    return counts[0], counts[1]
 
 
 def _fused(backend: Any, op: Any) -> int:
@@ -151,7 +142,7 @@ def _fused(backend: Any, op: Any) -> int:
 
 
 def _check(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-    group_norms, channel_norms = _norms_into_silu(vae, fn, x), _channel_norm_calls(vae, fn, x)
+    group_norms, channel_norms = _sites(vae, fn, x)
     actual, expected, _, backend = run_compiled(fn, x, config=CompilationConfig(strict=True))
     assert_close(actual, expected)
     assert not backend.report().fallbacks

@@ -6,8 +6,6 @@
 
 #include "common.h"
 
-#include <ATen/ops/empty_strided.h>
-
 #include <cmath>
 
 namespace mindiesd_cpu {
@@ -136,14 +134,14 @@ std::optional<Tensor> channel_rms_norm(const Tensor& x, const std::optional<Tens
   if (!is_covered_float(out_dtype)) {
     return std::nullopt;
   }
-  const bool contiguous = x.is_contiguous();
-  if (!contiguous && !channels_innermost(x)) {
-    return std::nullopt;
-  }
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
-  Tensor out = contiguous ? empty_output(x, x.sizes(), out_dtype)
-                          : at::empty_strided(x.sizes(), x.strides(), x.options().dtype(out_dtype));
+  std::optional<Tensor> made = channel_op_output(x, out_dtype);
+  if (!made.has_value()) {
+    return std::nullopt;
+  }
+  Tensor out = std::move(*made);
+  const bool contiguous = x.is_contiguous();
   if (x.numel() == 0) {
     return out;
   }

@@ -5,6 +5,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <string>
@@ -90,6 +91,16 @@ Tensor empty_output(const Tensor& x, at::IntArrayRef sizes, ScalarType dtype) {
     return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
   }
   return at::empty(sizes, x.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+}
+
+std::optional<Tensor> channel_op_output(const Tensor& x, ScalarType dtype) {
+  if (x.is_contiguous()) {
+    return empty_output(x, x.sizes(), dtype);
+  }
+  if (channels_innermost(x)) {
+    return at::empty_strided(x.sizes(), x.strides(), x.options().dtype(dtype));
+  }
+  return std::nullopt;
 }
 
 ScalarType parameter_dtype(ScalarType x_dtype, int64_t x_numel, std::initializer_list<const Tensor*> params) {

@@ -685,6 +685,10 @@ inline bool channels_innermost(const Tensor& x) {
   return x.size(0) == 1 || x.stride(0) == expected;
 }
 
+// A new output of x's sizes and layout for a kernel over the channels (dim 1): contiguous for a contiguous x,
+// x's strides for one with its channels innermost (channels_innermost); nullopt for any other layout.
+std::optional<Tensor> channel_op_output(const Tensor& x, ScalarType dtype);
+
 // A tensor re-read for many rows (at most 1/8 of x's size) is cheaper to
 // convert to float32 once than on every read.
 inline bool is_small_operand(const Tensor& t, int64_t x_numel) {

@@ -7,8 +7,6 @@
 
 #include "common.h"
 
-#include <ATen/ops/empty_strided.h>
-
 #include <cmath>
 #include <vector>
 
@@ -210,15 +208,15 @@ std::optional<Tensor> group_norm_silu(const Tensor& x, int64_t groups, const std
       !covers_parameter(weight, x.size(1)) || !covers_parameter(bias, x.size(1))) {
     return std::nullopt;
   }
-  const bool contiguous = x.is_contiguous();
-  if (!contiguous && !channels_innermost(x)) {
-    return std::nullopt;
-  }
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   // x's layout (the strides of torch.empty_like(x): dense, so x's own)
-  Tensor out = contiguous ? empty_output(x, x.sizes(), x.scalar_type())
-                          : at::empty_strided(x.sizes(), x.strides(), x.options());
+  std::optional<Tensor> made = channel_op_output(x, x.scalar_type());
+  if (!made.has_value()) {
+    return std::nullopt;
+  }
+  Tensor out = std::move(*made);
+  const bool contiguous = x.is_contiguous();
   if (x.numel() == 0) {
     return out;
   }
