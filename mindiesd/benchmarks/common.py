@@ -307,6 +307,20 @@ def add_timing_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_comparison_options(parser: argparse.ArgumentParser, *, calls: str, per: str, subject: str,
+                           inductor_note: str = "") -> None:
+    """The options of a mode that compares one workload's backends in one process (``bench sweep``, ``bench
+    vae``): ``--vs inductor``, ``--iters``/``--warmup`` (``calls`` per ``per``), ``--threads``, ``--dtype`` (of
+    ``subject``) and ``--seed``."""
+    parser.add_argument("--vs", choices=("inductor",), nargs="*", default=(),
+                        help=f"also Inductor's default mode, in the same run{inductor_note}")
+    parser.add_argument("--iters", type=positive_int, default=10, help=f"timed {calls} per {per} (default: 10)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help=f"untimed {calls} per {per} first")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help=f"{subject} dtype (default: fp32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
+
+
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     """``--cache-dir`` and ``--cold``: which persistent compile cache the compiles use (exclusive)."""
     choice = parser.add_mutually_exclusive_group()

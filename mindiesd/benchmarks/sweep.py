@@ -28,8 +28,8 @@ import torch
 from .. import zoo
 from ..compilation.report import plural
 from .common import (
-    DTYPES, complain, environment, footer, make_backend, max_relative_error, non_negative_int, positive_int, session,
-    warn_if_busy, write_json,
+    DTYPES, add_comparison_options, complain, environment, footer, make_backend, max_relative_error, positive_int,
+    session, warn_if_busy, write_json,
 )
 from .table import format_rows, format_value
 from .timing import interleaved_medians
@@ -43,13 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=zoo.SIZES, default="tiny", help="the registry size (default: tiny)")
     parser.add_argument("--sizes", type=positive_int, default=6,
                         help="resolutions, before the first two are called again (default: 6)")
-    parser.add_argument("--vs", choices=("inductor",), nargs="*", default=(),
-                        help="also Inductor's default mode, in the same run")
-    parser.add_argument("--iters", type=positive_int, default=10, help="timed forwards per size and backend")
-    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed forwards per size first")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="model and input dtype (default: fp32)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: 0)")
+    add_comparison_options(parser, calls="forwards", per="size and backend", subject="model and input")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -18,8 +18,8 @@ from typing import Any, Callable, TextIO
 
 import torch
 
-from .common import (DTYPES, complain, footer, make_backend, max_relative_error, non_negative_int, positive_int,
-                     session, warn_if_busy, write_json)
+from .common import (DTYPES, add_comparison_options, complain, footer, make_backend, max_relative_error, session,
+                     warn_if_busy, write_json)
 from .environment import environment
 from .table import format_rows
 from .timing import interleaved_medians
@@ -39,15 +39,10 @@ COLUMNS = ("vae", "backend", "first_s", "ms", "speedup", "error", "fused")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae", choices=(*VAES, "all"), default="all", help="which VAE (default: all)")
-    parser.add_argument("--vs", choices=("inductor",), nargs="*", default=(),
-                        help="also Inductor's default mode, in the same run (its compile takes minutes)")
-    parser.add_argument("--iters", type=positive_int, default=10, help="timed decodes per backend (default: 10)")
-    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed decodes per backend first")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="VAE and latent dtype (default: fp32)")
+    add_comparison_options(parser, calls="decodes", per="backend", subject="VAE and latent",
+                           inductor_note=" (its compile takes minutes)")
     parser.add_argument("--channels-last", action="store_true",
                         help="convert the VAE and the latent to channels-last (channels_last_3d for video)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and latents (default: 0)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows (and environment) as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

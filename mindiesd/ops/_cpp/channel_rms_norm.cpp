@@ -134,33 +134,23 @@ std::optional<Tensor> channel_rms_norm(const Tensor& x, const std::optional<Tens
   if (!is_covered_float(out_dtype)) {
     return std::nullopt;
   }
-  at::NoGradGuard no_grad;
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
-  std::optional<Tensor> made = channel_op_output(x, out_dtype);
-  if (!made.has_value()) {
-    return std::nullopt;
-  }
-  Tensor out = std::move(*made);
-  const bool contiguous = x.is_contiguous();
-  if (x.numel() == 0) {
-    return out;
-  }
-  Tensor weight_holder;
-  Tensor bias_holder;
-  const ChannelNorm p{channel_values(weight, weight_holder), channel_values(bias, bias_holder),
-                      static_cast<float>(scale), static_cast<float>(eps), silu};
-  dispatch_float(x.scalar_type(), [&](auto x_tag) {
-    dispatch_float(out_dtype, [&](auto o_tag) {
-      using TX = decltype(x_tag);
-      using TO = decltype(o_tag);
-      if (contiguous) {
-        channel_norm_contiguous<TX, TO>(x, p, out);
-      } else {
-        channel_norm_rows<TX, TO>(x, p, out);
-      }
+  return channel_op(x, out_dtype, [&](Tensor& out, bool contiguous) {
+    Tensor weight_holder;
+    Tensor bias_holder;
+    const ChannelNorm p{channel_values(weight, weight_holder), channel_values(bias, bias_holder),
+                        static_cast<float>(scale), static_cast<float>(eps), silu};
+    dispatch_float(x.scalar_type(), [&](auto x_tag) {
+      dispatch_float(out_dtype, [&](auto o_tag) {
+        using TX = decltype(x_tag);
+        using TO = decltype(o_tag);
+        if (contiguous) {
+          channel_norm_contiguous<TX, TO>(x, p, out);
+        } else {
+          channel_norm_rows<TX, TO>(x, p, out);
+        }
+      });
     });
   });
-  return out;
 }
 
 namespace {

@@ -689,6 +689,20 @@ inline bool channels_innermost(const Tensor& x) {
 // x's strides for one with its channels innermost (channels_innermost); nullopt for any other layout.
 std::optional<Tensor> channel_op_output(const Tensor& x, ScalarType dtype);
 
+// The output of an op over the channels (x's shape and layout, ``dtype``), filled by ``fill(out, contiguous)``
+// (``contiguous``: x is, else its channels are innermost); nullopt for another layout, an empty x gives an empty
+// output. Autograd is off (group_norm_silu.cpp, channel_rms_norm.cpp).
+template <typename Fill>
+std::optional<Tensor> channel_op(const Tensor& x, ScalarType dtype, const Fill& fill) {
+  at::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
+  std::optional<Tensor> out = channel_op_output(x, dtype);
+  if (out.has_value() && x.numel() > 0) {
+    fill(*out, x.is_contiguous());
+  }
+  return out;
+}
+
 // A tensor re-read for many rows (at most 1/8 of x's size) is cheaper to
 // convert to float32 once than on every read.
 inline bool is_small_operand(const Tensor& t, int64_t x_numel) {

@@ -208,30 +208,20 @@ std::optional<Tensor> group_norm_silu(const Tensor& x, int64_t groups, const std
       !covers_parameter(weight, x.size(1)) || !covers_parameter(bias, x.size(1))) {
     return std::nullopt;
   }
-  at::NoGradGuard no_grad;
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal views skip autograd and view tracking
   // x's layout (the strides of torch.empty_like(x): dense, so x's own)
-  std::optional<Tensor> made = channel_op_output(x, x.scalar_type());
-  if (!made.has_value()) {
-    return std::nullopt;
-  }
-  Tensor out = std::move(*made);
-  const bool contiguous = x.is_contiguous();
-  if (x.numel() == 0) {
-    return out;
-  }
-  Tensor weight_holder;
-  Tensor bias_holder;
-  const float* w = channel_values(weight, weight_holder);
-  const float* b = channel_values(bias, bias_holder);
-  dispatch_float(x.scalar_type(), [&](auto tag) {
-    if (contiguous) {
-      group_norm_silu_kernel<decltype(tag)>(x, w, b, groups, static_cast<float>(eps), out);
-    } else {
-      group_norm_silu_channels_last<decltype(tag)>(x, w, b, groups, static_cast<float>(eps), out);
-    }
+  return channel_op(x, x.scalar_type(), [&](Tensor& out, bool contiguous) {
+    Tensor weight_holder;
+    Tensor bias_holder;
+    const float* w = channel_values(weight, weight_holder);
+    const float* b = channel_values(bias, bias_holder);
+    dispatch_float(x.scalar_type(), [&](auto tag) {
+      if (contiguous) {
+        group_norm_silu_kernel<decltype(tag)>(x, w, b, groups, static_cast<float>(eps), out);
+      } else {
+        group_norm_silu_channels_last<decltype(tag)>(x, w, b, groups, static_cast<float>(eps), out);
+      }
+    });
   });
-  return out;
 }
 
 namespace {
