@@ -43,7 +43,8 @@ from .graph_log import GraphLog, resolve_log_dir
 from .cleanup import AFTER_FUSION, CleanupStep
 from .cleanup.layout_checks import restore_layout_checks
 from .pass_manager import PassManager
-from .report import CompileReport, GraphRecord, fusion_report
+from .passes.flex_attention import FlexRegion
+from .report import CompileReport, GraphRecord, MindieSDFallbackWarning, fusion_report
 
 log = logging.getLogger("mindiesd.compilation")
 
@@ -57,10 +58,6 @@ try:
     _DYNAMO_CONTROL_FLOW: tuple = (RestartAnalysis, SkipFrame)
 except ImportError:  # pragma: no cover - other torch versions
     _DYNAMO_CONTROL_FLOW = ()
-
-
-class MindieSDFallbackWarning(UserWarning):
-    """An internal failure made a graph run unfused; the message names the cause."""
 
 
 def _node_count(gm: GraphModule) -> int:
@@ -189,8 +186,11 @@ class CompiledGraph:
     nodes_after: int = 0
     #: The persistent cache's word on it: ``hit``, ``stored``, ``store failed``, ``off`` or ``not cached: <why>``.
     cache: str = "off"
-    #: Why it cannot be stored (aot's runtime wrapper does more than call it), or None.
+    #: Why it cannot be stored (aot's runtime wrapper does more than call it, or it calls code the cache does not
+    #: keep), or None.
     not_cacheable: Optional[str] = None
+    #: Why aot's runtime wrapper must run around it (it does more than call the graph), or None.
+    needs_wrapper: Optional[str] = None
     #: The runner of ``main`` (``executor.runner``), whose generated code a stored entry keeps.
     code: Optional[Callable[..., Any]] = None
     #: What each measured fused op site runs, with the candidates' times (``kernel_choice``; empty: not measured).
@@ -225,7 +225,7 @@ def load_cached(context: GraphContext, graph_log: GraphLog) -> Optional[Compiled
 def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph_log: GraphLog) -> CompiledGraph:
     """aot's functional aten graph, frozen and fused by :class:`_FreezeAndFuse`. ``run`` is the fused graph itself
     where aot's runtime wrapper would only call it (an inference graph whose inputs and outputs aot leaves as they
-    are: :attr:`~CompiledGraph.not_cacheable` is None), else aot's callable."""
+    are: :attr:`~CompiledGraph.needs_wrapper` is None), else aot's callable."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     compiler = _FreezeAndFuse(context, graph_log)
@@ -233,8 +233,8 @@ def aot(gm: GraphModule, example_inputs: List[Any], context: GraphContext, graph
                                 keep_inference_input_mutations=True)
     result = compiler.result
     if result is None:
-        return CompiledGraph(run, not_cacheable="no inference graph")
-    if result.not_cacheable is None and not context.training:  # the graph alone is the whole call: no wrapper
+        return CompiledGraph(run, not_cacheable="no inference graph", needs_wrapper="no inference graph")
+    if result.needs_wrapper is None and not context.training:  # the graph alone is the whole call: no wrapper
         return replace(result, run=graph_cache.inference_call(result.run))
     return replace(result, run=run)
 
@@ -256,11 +256,28 @@ class _FreezeAndFuse:
         if restored:
             log.debug("layout checks restored at run time: %d", restored)
         passes = PassManager(context.families, context.device_type, force=context.force)
+        lowered = passes.run_lower(aten_gm, self.graph_log,
+                                   inductor=context.device_type in ("cpu", "cuda") and not context.training)
         fused = fuse(context, freeze(context, aten_gm, len(aten_inputs), passes, self.graph_log), aten_gm, passes,
                      self.graph_log)
+        kept = {p.family: p.why_not for p in passes.lower_passes if getattr(p, "why_not", None)}  # calls left as traced
+        fused = replace(fused, matches={**lowered, **fused.matches}, skipped={**fused.skipped, **kept})
         # aot's metadata of this trace says whether the graph alone is the whole call
-        self.result = replace(fused, not_cacheable=graph_cache.calling_convention_problem(aten_gm, context.n_inputs))
+        wrapper = graph_cache.calling_convention_problem(aten_gm, context.n_inputs)
+        self.result = replace(fused, not_cacheable=_unstorable(fused.main) or wrapper, needs_wrapper=wrapper)
         return make_boxed_func(fused.run)
+
+
+def _unstorable(gm: Optional[GraphModule]) -> Optional[str]:
+    """Why the cache cannot store the fused graph ``gm`` (a call of code it does not keep), or None."""
+    if gm is None:
+        return None
+    for node in gm.graph.nodes:
+        if isinstance(node.target, FlexRegion):
+            return "a flex_attention region compiled by Inductor (Inductor caches its own code)"
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return f"a higher-order op ({node.target.name()}) whose subgraphs are not stored"
+    return None
 
 
 def _as_traced(aten_gm: GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:

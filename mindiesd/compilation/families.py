@@ -22,13 +22,14 @@ from ..ops.defs import (ADALAYERNORM, CAT_LINEAR, CHANNEL_RMS_NORM, DEQUANT_LINE
                         LINEAR_GELU, MUL_ADD, NORM_ROPE, RMS_NORM, ROPE)
 
 __all__ = ["Rewrite", "FusionFamily", "FAMILIES", "family", "forced", "skip_reason", "STAGES", "SPEC_FAMILIES",
-           "GEMM_FAMILIES", "QUANTIZED_FAMILIES", "CONV_FAMILIES", "OP_FAMILIES"]
+           "GEMM_FAMILIES", "QUANTIZED_FAMILIES", "CONV_FAMILIES", "ATTENTION_FAMILIES", "OP_FAMILIES"]
 
-#: When a family's pass runs: ``fusion`` on the main graph after freezing (an op replaces an op sequence);
-#: ``freeze`` on the whole aten graph before it is split, so that what the rewrite computes from weights alone
-#: (a concatenated weight) is folded with the rest. A ``freeze`` family needs ``enable_freezing``.
-STAGES = ("freeze", "fusion")
-GROUPS = ("elementwise", "gemm", "quantized", "convolutional")
+#: When a family's pass runs: ``lower`` first, on the whole aten graph, whatever ``enable_freezing`` says (a
+#: call that must not run as traced is replaced); ``freeze`` on the whole aten graph before it is split, so that
+#: what the rewrite computes from weights alone (a concatenated weight) is folded with the rest (a ``freeze``
+#: family needs ``enable_freezing``); ``fusion`` on the main graph after freezing (an op replaces an op sequence).
+STAGES = ("lower", "freeze", "fusion")
+GROUPS = ("elementwise", "gemm", "quantized", "convolutional", "attention")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class FusionFamily:
     stage: str = "fusion"
     #: ``elementwise`` (the ops that replace elementwise and row sequences: the specification's five families,
     #: norm_rope and glu), ``gemm`` (rewrites around the matrix products) or ``quantized`` (a quantized linear
-    #: layer as one op) or ``convolutional`` (the norms and activations of convolutional networks: VAEs).
+    #: layer as one op) or ``convolutional`` (the norms and activations of convolutional networks: VAEs) or
+    #: ``attention`` (attention calls lowered to a kernel).
     group: str = "elementwise"
     #: For a family without an op: device type -> whether the rewrite gains there.
     rewrites: Mapping[str, Rewrite] = field(default_factory=dict)
@@ -84,7 +86,7 @@ class FusionFamily:
         return self.op.kernels if self.op is not None else self.rewrites
 
 
-#: Family name -> declaration, in the order the passes run. The ``freeze`` stage runs first (before the graph
+#: Family name -> declaration, in the order the passes run. The ``lower`` stage runs first, then the ``freeze`` stage (before the graph
 #: is split into fold and main graphs), then the ``fusion`` stage in this order. Order matters where forms
 #: overlap: int8_linear and dequant_linear run first, as their rescale ends in a multiply-add that mul_add would
 #: otherwise take; RoPE and adaLN contain multiply-adds, so they run before mul_add, which would otherwise take their
@@ -98,6 +100,25 @@ class FusionFamily:
 FAMILIES: Dict[str, FusionFamily] = {
     f.name: f
     for f in (
+        FusionFamily(
+            name="flex_attention",
+            doc="Lower torch's flex_attention, which outside Inductor runs an unfused reference that materialises "
+                "every score: a call that changes nothing about plain attention (diffusers' flex backend without a "
+                "mask) becomes scaled_dot_product_attention; any other call is compiled by Inductor's flex lowering, "
+                "the rest of the graph staying mindiesd's.",
+            op=None,
+            stage="lower",
+            group="attention",
+            # measured with ``bench model --model flux --attention flex`` (docs/compatibility.md)
+            rewrites={
+                "cpu": Rewrite(True, "faster than flex's unfused reference on the CPUs measured "
+                                     "(2-core AMD EPYC, AVX2, fp32)"),
+                "cuda": Rewrite(True, "the attention kernels against flex's unfused reference, which materialises "
+                                      "every score (not measured on a GPU yet)"),
+                "npu": Rewrite(True, "scaled_dot_product_attention against flex's unfused reference; a call that "
+                                     "needs Inductor stays as it is (not measured on an NPU yet)"),
+            },
+        ),
         FusionFamily(
             name="merge_projections",
             doc="Merge sibling linear layers that read the same input (Q/K/V, context K/V, Flux single blocks' "
@@ -207,6 +228,8 @@ SPEC_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group
 GEMM_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "gemm")
 #: The quantized linear layers, in run order.
 QUANTIZED_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "quantized")
+#: The attention calls lowered to a kernel, in run order.
+ATTENTION_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "attention")
 #: The norms and activations of convolutional networks (VAEs), in run order.
 CONV_FAMILIES: Tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.group == "convolutional")
 #: The families that emit an op of their own (``torch.ops.mindiesd.<name>``), in run order.

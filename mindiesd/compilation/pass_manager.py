@@ -32,6 +32,7 @@ class PassManager:
         unknown = set(families) - set(PASSES)
         if unknown:
             raise ValueError(f"unknown fusion families {sorted(unknown)}; known: {list(PASSES)}")
+        self.device_type = device_type
         #: Enabled families left unfused on this device, with the reason.
         self.skipped: Dict[str, str] = {}
         for name in families:
@@ -39,10 +40,19 @@ class PassManager:
             if reason is not None:
                 self.skipped[name] = reason
         chosen = [PASSES[name]() for name in PASSES if name in families and name not in self.skipped]
+        #: The passes of the ``lower`` stage (on the whole aten graph, first; :meth:`run_lower`).
+        self.lower_passes = [p for p in chosen if FAMILIES[p.family].stage == "lower"]
         #: The passes of the ``freeze`` stage (on the aten graph before it is split; :meth:`run_freeze`).
         self.freeze_passes = [p for p in chosen if FAMILIES[p.family].stage == "freeze"]
         #: The passes of the ``fusion`` stage (on the main graph; :meth:`run`).
         self.passes = [p for p in chosen if FAMILIES[p.family].stage == "fusion"]
+
+    def run_lower(self, gm: GraphModule, graph_log: GraphLog, *, inductor: bool = True) -> Dict[str, int]:
+        """Apply the ``lower``-stage passes to the whole aten graph ``gm``, frozen or not; returns the rewrites per
+        family. ``inductor``: whether a call may be handed to Inductor (the CPU and CUDA, inference graphs)."""
+        for lowering in self.lower_passes:
+            lowering.inductor, lowering.device_type = inductor, self.device_type
+        return self._apply(self.lower_passes, gm, graph_log)
 
     def run_freeze(self, gm: GraphModule, constant_inputs: Set[Node], graph_log: GraphLog) -> Dict[str, int]:
         """Apply the ``freeze``-stage passes to the whole aten graph ``gm`` (``constant_inputs``: the placeholders
@@ -72,7 +82,7 @@ class PassManager:
 
     def rule_hits(self) -> Dict[str, int]:
         """Rewrites per rule, as ``"family:rule"``, over the runs of this manager (rules that never fired left out)."""
-        return {f"{fusion.family}:{rule}": n for fusion in self.freeze_passes + self.passes
+        return {f"{fusion.family}:{rule}": n for fusion in self.lower_passes + self.freeze_passes + self.passes
                 for rule, n in fusion.hits.items()}
 
 

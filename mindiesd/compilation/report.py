@@ -9,7 +9,11 @@ from typing import Dict, List, Optional, Union
 
 from .families import FAMILIES
 
-__all__ = ["GraphRecord", "CompileReport", "fusion_report", "reset_fusion_report", "plural"]
+__all__ = ["GraphRecord", "CompileReport", "MindieSDFallbackWarning", "fusion_report", "reset_fusion_report", "plural"]
+
+
+class MindieSDFallbackWarning(UserWarning):
+    """An internal failure made a graph (or a part of one) run unfused; the message names the cause."""
 
 
 def plural(count: Union[int, str], word: str, many: Optional[str] = None) -> str:

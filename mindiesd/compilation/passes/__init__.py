@@ -12,6 +12,7 @@ from .cat_linear import CatLinearPass
 from .channel_rms_norm import ChannelRmsNormPass
 from .dequant_linear import DequantLinearPass
 from .fast_gelu import FastGeluPass
+from .flex_attention import FlexAttentionPass
 from .glu import GluPass
 from .group_norm_silu import GroupNormSiluPass
 from .int8_linear import Int8LinearPass
@@ -22,7 +23,7 @@ from .norm_rope import NormRopePass
 from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 
-_CLASSES = {cls.family: cls for cls in (MergeProjectionsPass, Int8LinearPass, DequantLinearPass, RMSNormPass,
+_CLASSES = {cls.family: cls for cls in (FlexAttentionPass, MergeProjectionsPass, Int8LinearPass, DequantLinearPass, RMSNormPass,
                                         RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, ChannelRmsNormPass,
                                         GluPass, LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
