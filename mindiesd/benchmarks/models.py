@@ -438,6 +438,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "switch off, timed in the same runs: <rewrite>_gain = ms without it / ms with it (above 1: it gains)",
     )
     parser.add_argument(
+        "--attention",
+        default=None,
+        metavar="BACKEND",
+        help="set this diffusers attention backend on the model first (model.set_attention_backend: flex, native, "
+        "_native_math, ...), so eager and every backend run it",
+    )
+    parser.add_argument(
         "--quant",
         choices=tuple(QUANT_CONFIGS),
         default=None,
@@ -486,6 +493,8 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
         try:
             with progress.step(f"building {name}/{args.size} ({args.dtype})"):
                 case = zoo.build(name, args.size, dtype=dtype, seed=args.seed, device=args.device)
+            if args.attention:
+                set_attention_backend(case.model, args.attention)
             if args.quant:
                 with progress.step(f"quantizing {name}/{args.size} ({args.quant})"):
                     quantize(case.model, args.quant)
@@ -517,6 +526,18 @@ def _run_models(args, names, dtype, cache_dir, rows, failures, progress, stderr)
         finally:
             case = None
     return None
+
+
+def set_attention_backend(model: Any, backend: str) -> None:
+    """``model.set_attention_backend(backend)`` (diffusers' attention dispatch); ValueError naming the backends
+    where it has none of that name or the model no such method."""
+    setter = getattr(model, "set_attention_backend", None)
+    if setter is None:
+        raise ValueError(f"{type(model).__name__} has no set_attention_backend (diffusers' attention dispatch)")
+    try:
+        setter(backend)
+    except ValueError as exc:
+        raise ValueError(f"--attention {backend}: {exc}") from None
 
 
 def _print_results(args, rows, failures, stdout) -> None:

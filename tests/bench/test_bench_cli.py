@@ -142,6 +142,19 @@ def test_cli_defaults():
     assert (args.model, args.size, args.dtype, args.vs, args.iters) == ("flux", "tiny", "fp32", [], None)
 
 
+def test_bench_model_attention_option_sets_the_backend_or_says_why_not():
+    from mindiesd.benchmarks.models import set_attention_backend
+
+    args = build_parser().parse_args(["bench", "model", "--attention", "flex"])
+    assert args.attention == "flex"
+    model = zoo.build("flux", "tiny").model
+    set_attention_backend(model, "flex")
+    with pytest.raises(ValueError, match="--attention no_such_backend"):
+        set_attention_backend(model, "no_such_backend")
+    with pytest.raises(ValueError, match="Linear has no set_attention_backend"):
+        set_attention_backend(torch.nn.Linear(2, 2), "flex")
+
+
 def test_interleaved_medians_calls_each_runner_equally():
     calls = {"a": 0, "b": 0}
 
