@@ -352,6 +352,11 @@ class _Run:
         return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
 
     @property
+    def decode_s(self) -> float:
+        """Seconds after the last step: the VAE's decode and the output's post-processing."""
+        return self.total_s - self.step_ends[-1]
+
+    @property
     def steady_steps(self) -> List[int]:
         """Indices (from 0) of the steps after the first and after the last one that compiled a graph."""
         counts = self.graphs_per_step or []
@@ -452,6 +457,8 @@ def _row(case: PipelineCase, variant: str, run: _Run, runs: Dict[str, _Run], ste
         "steps": steps,
         "total_s": run.total_s,
         "warm_s": warm.total_s,
+        "decode_s": warm.decode_s,
+        "decode_share": warm.decode_s / warm.total_s if warm.total_s > 0 else None,
         "first_step_s": run.step_ms[0] / 1e3,
         "step_ms": statistics.median(step_ms[1:]),
         "step_ms_all": step_ms,
@@ -505,7 +512,8 @@ def run_pipeline_bench(
     end of the first step: setup, and the compile of compiled variants), ``warm_s`` (a second call: compiled
     variants run twice, and their steady-state figures come from the second call), ``step_ms`` (median of the later
     steps), ``step_ms_all``, ``steady_steps`` (1-based: the steps after the first and after the last one that
-    compiled);
+    compiled), ``decode_s`` (of the second call for compiled variants: the seconds after the last step, the VAE's
+    decode and the output's post-processing) and ``decode_share`` (its share of that call);
     against the variant named in ``vs``: ``speedup`` (median over the steady steps of its ms over this one's, step
     by step, so that with the cache skipped steps are compared with skipped steps), ``latent_err`` and
     ``decoded_err`` (max relative error of the final latents and of the decoded output); for compiled variants
@@ -538,10 +546,11 @@ def run_pipeline_bench(
 # ---------------------------------------------------------------- output
 
 _COLUMNS = (
-    "pipeline", "size", "dtype", "variant", "vs", "total_s", "first_step_s", "warm_s", "step_ms", "speedup",
+    "pipeline", "size", "dtype", "variant", "vs", "total_s", "first_step_s", "warm_s", "step_ms", "decode_s",
+    "decode_share", "speedup",
     "latent_err", "decoded_err", "reused", "recompiles", "warm_recompiles", "graphs", "fallbacks", *FAMILIES,
 )
-_HEADERS = {"first_step_s": "first_s", "warm_recompiles": "warm_recomp", "adalayernorm": "adaln", "fast_gelu": "gelu", "fallbacks": "fallback"}
+_HEADERS = {"first_step_s": "first_s", "decode_share": "decode_%", "warm_recompiles": "warm_recomp", "adalayernorm": "adaln", "fast_gelu": "gelu", "fallbacks": "fallback"}
 _LEFT = ("pipeline", "size", "dtype", "variant", "vs")
 
 
@@ -557,6 +566,8 @@ def _cell(column: str, value: Any) -> str:
         return f"{value:.1e}"
     if column == "speedup":
         return f"{value:.2f}x"
+    if column == "decode_share":
+        return f"{100 * value:.0f}%"
     if column.endswith("_s"):
         return f"{value:.2f}"
     return f"{value:.1f}"
@@ -646,7 +657,8 @@ def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
         footer(env),
         "total_s: the whole first call; first_s: from the call to the end of step 1 (compile included); "
         "warm_s: a second call (compiled variants; eager runs once, after an untimed step); "
-        "step_ms: median of steps 2..N of that call",
+        "step_ms: median of steps 2..N of that call; decode_s, decode_%: the seconds after the last step of that call "
+        "(the VAE decode, which only the transformer's compile touches, and post-processing) and their share of it",
         "against the variant in 'vs': speedup = median of its ms / this ms, step by step, over the steps after "
         "the last that compiled; latent_err, decoded_err = max |a-b| / max |b|",
         "recompiles: graphs the backend compiled after step 1 of the first call; warm_recomp: during the second; "

@@ -57,6 +57,7 @@ def _assert_compiled_like_eager(rows, fallbacks, name, steps=STEPS):
     for row in rows.values():
         assert row["steps"] == steps and len(row["step_ms_all"]) == steps
         assert row["total_s"] > 0 and row["step_ms"] > 0 and row["first_step_s"] > 0
+        assert 0 < row["decode_s"] < row["warm_s"] and row["decode_share"] == row["decode_s"] / row["warm_s"]
     assert compiled["steady_steps"] == list(range(2, steps + 1)) and compiled["graphs_per_step"] == [1] * steps
     ratios = [e / c for e, c in zip(rows["eager"]["step_ms_all"][1:], compiled["step_ms_all"][1:])]
     assert compiled["speedup"] == pytest.approx(statistics.median(ratios))
@@ -148,7 +149,8 @@ def _stub_rows(name="flux", step_cache=False):
         rows.append({
             "pipeline": name, "size": "tiny", "dtype": "fp32", "variant": variant,
             "vs": bench_pipeline._VERSUS.get(variant), "steps": 3, "total_s": 1.5, "first_step_s": 1.0,
-            "step_ms": 20.0, "step_ms_all": [1000.0, 21.0, 19.0], "speedup": 1.0 if variant != "eager" else None,
+            "step_ms": 20.0, "step_ms_all": [1000.0, 21.0, 19.0], "decode_s": 0.3, "decode_share": 0.2,
+            "speedup": 1.0 if variant != "eager" else None,
             "latent_err": 1e-7 if variant != "eager" else None, "decoded_err": None,
             "reused": "2/3" if "cache" in variant else None, "recompiles": 0 if compiled else None,
             "graphs": 1 if compiled else None, "fallbacks": 0 if compiled else None,
