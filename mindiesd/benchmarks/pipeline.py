@@ -658,7 +658,7 @@ def _summary(rows: Sequence[Dict[str, Any]], env: Dict[str, Any]) -> str:
         "total_s: the whole first call; first_s: from the call to the end of step 1 (compile included); "
         "warm_s: a second call (compiled variants; eager runs once, after an untimed step); "
         "step_ms: median of steps 2..N of that call; decode_s, decode_%: the seconds after the last step of that call "
-        "(the VAE decode, which only the transformer's compile touches, and post-processing) and their share of it",
+        "(the VAE decode, left eager by the transformer's compile, and post-processing) and their share of it",
         "against the variant in 'vs': speedup = median of its ms / this ms, step by step, over the steps after "
         "the last that compiled; latent_err, decoded_err = max |a-b| / max |b|",
         "recompiles: graphs the backend compiled after step 1 of the first call; warm_recomp: during the second; "
