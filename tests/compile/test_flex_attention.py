@@ -96,6 +96,17 @@ def test_flex_forms(fn, heads, rule, dtype):
     assert_close(actual, expected, dtype)
 
 
+def test_symbolic_lengths_with_the_default_mask_become_sdpa():
+    backend = MindieSDBackend(CompilationConfig(strict=True), keep_graphs=True)
+    compiled = torch.compile(_plain, backend=backend, fullgraph=True, dynamic=True)
+    for length in (40, 72):
+        q, k, v = (_randn(1, 2, length, 16, seed=s) for s in range(3))
+        with torch.no_grad():
+            assert_close(compiled(q, k, v), _plain(q, k, v), torch.float32)
+    assert backend.report().graphs == 1 and backend.report().rule_hits == {"flex_attention:sdpa": 1}
+    assert FLEX_ATTENTION not in _targets(backend)
+
+
 def test_switch_off_leaves_the_call():
     q, k, v = (_randn(1, 2, 40, 16, seed=s) for s in range(3))
     backend = MindieSDBackend(CompilationConfig(strict=True, fusion_patterns={"enable_flex_attention": False}),

@@ -44,6 +44,9 @@ try:
 except ImportError:  # pragma: no cover - a torch without flex attention
     FLEX_ATTENTION = None
 
+#: Block sizes from which one block covers any sequence (flex's default mask: ``_LARGE_SPARSE_BLOCK_SIZE``).
+_ONE_BLOCK = 1 << 30
+
 #: Where the block mask tuple keeps its tables and sizes (``BlockMask.as_tuple()``): sequence lengths (q, kv),
 #: kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, ... , Q and KV block sizes, mask_mod.
 _KV_NUM, _KV_IDX, _FULL_KV_NUM, _FULL_KV_IDX = 2, 3, 4, 5
@@ -261,10 +264,14 @@ class FlexAttentionPass:
         qv, kv, vv = (tensor_val(t) for t in (q, k, v))
         if qv is None or kv is None or vv is None or qv.dim() != 4 or not isinstance(scale, (int, float)):
             return False
-        try:
-            q_len, kv_len, hq, hkv = int(qv.shape[-2]), int(kv.shape[-2]), int(qv.shape[1]), int(kv.shape[1])
-        except Exception:  # symbolic sizes: the tables cannot be checked against them
+        q_len, kv_len, hq, hkv = qv.shape[-2], kv.shape[-2], qv.shape[1], kv.shape[1]
+        if type(hq) is not int or type(hkv) is not int:
             return False
+        if type(q_len) is not int or type(kv_len) is not int:  # symbolic lengths (read without adding a guard):
+            blocks = (mask[-3], mask[-2])  # only a single block, flex's default, covers any of them
+            if not all(type(b) is int for b in blocks) or min(blocks) < _ONE_BLOCK:
+                return False
+            q_len = kv_len = 1
         if hq % hkv or not _covers_all_blocks(mask, q_len, kv_len, cache):
             return False
         extra = {"enable_gqa": True} if hq != hkv else {}
