@@ -120,6 +120,21 @@ FAMILIES: Dict[str, FusionFamily] = {
             },
         ),
         FusionFamily(
+            name="upsample_nearest",
+            doc="Give nearest-neighbour upsampling (F.interpolate mode nearest or nearest-exact: every VAE decoder), "
+                "which aot decomposes into a gather and a copy into channels-last, back its aten kernel.",
+            op=None,
+            stage="lower",
+            group="convolutional",
+            # measured with ``bench vae --vae kl`` (docs/benchmarks.md "VAE decode")
+            rewrites={
+                "cpu": Rewrite(True, "faster than the gather and the copy after it on the CPUs measured "
+                                     "(2-core AMD EPYC, AVX2, fp32)"),
+                "cuda": Rewrite(False, "not measured on a GPU yet"),
+                "npu": Rewrite(False, "not measured on an NPU yet"),
+            },
+        ),
+        FusionFamily(
             name="merge_projections",
             doc="Merge sibling linear layers that read the same input (Q/K/V, context K/V, Flux single blocks' "
                 "MLP input beside Q/K/V) into one matmul over the concatenated weight, folded at freeze time "

@@ -28,7 +28,7 @@ __all__ = [
     "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "input_source",
     "FOLDED_FROM", "unfolded", "same_input", "subclass_parts",
     "known_eq", "same_shape", "same_layout", "foldable_nodes", "is_packed", "fake_call", "Emitter", "erase_unused",
-    "MAX_EXPANDED_NUMEL",
+    "MAX_EXPANDED_NUMEL", "literal_value", "MAX_LITERAL_NUMEL",
 ]
 
 #: Calls that allocate without computing: two of them are two buffers, never one, and a write into one writes
@@ -299,3 +299,43 @@ def is_number(node: torch.fx.Node) -> bool:
     """Whether ``node`` computes a number (a ``SymInt``, ``SymFloat``, ``SymBool`` or plain one): from its traced
     value, or in a loaded graph, whose nodes carry none, from what was stored."""
     return isinstance(node.meta.get("val"), _NUMBER_TYPES) or node.meta.get("number", False)
+
+
+#: The most elements :func:`literal_value` computes for one node (index tables, block masks: small).
+MAX_LITERAL_NUMEL = 1 << 20
+
+
+def literal_value(node: Any, cache: Dict[Node, Any], depth: int = 0) -> Any:
+    """The real value of ``node`` where it is computed from literals alone (aten calls on numbers and lists: no
+    placeholder, no get_attr, at most 16 calls deep), by running those calls outside any fake mode; None otherwise.
+    ``cache`` keeps the values found (and the Nones) across calls on one graph."""
+    if not isinstance(node, Node):
+        return node
+    if node in cache:
+        return cache[node]
+    value = None
+    traced = node.meta.get("val")
+    small = not isinstance(traced, torch.Tensor) or (_numel(traced) or MAX_LITERAL_NUMEL + 1) <= MAX_LITERAL_NUMEL
+    if node.op == "call_function" and depth < 16 and small and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target.namespace in ("aten", "prims") and not node.target._schema.is_mutable:
+        missing = object()
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, Node):
+                v = literal_value(a, cache, depth + 1)
+                return missing if v is None else v
+            return a
+
+        args = torch.fx.node.map_aggregate(node.args, arg)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, arg)
+        flat = [*torch.utils._pytree.tree_leaves(args), *torch.utils._pytree.tree_leaves(kwargs)]
+        if not any(a is missing for a in flat):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            try:
+                with unset_fake_temporarily():  # real values, where aot's fake mode is active
+                    value = node.target(*args, **kwargs)
+            except Exception:
+                value = None
+    cache[node] = value
+    return value

@@ -3,7 +3,9 @@
 parameters, any eps and group count, in fp32 and bf16, contiguous and channels-last; the output equals eager's, in
 eager's layout. A norm without a SiLU after it stays aten's; the switch turns the family off. channel_rms_norm: diffusers'
 own WanRMS_norm (Wan's and Qwen-Image's VAEs), with and without bias and SiLU, images and video, fp32 and bf16,
-contiguous and channels-last."""
+contiguous and channels-last. upsample_nearest: F.interpolate's nearest and nearest-exact modes, which aot decomposes
+into a gather, call aten's upsampling kernel again (counted; no gather left), at integer scales and at sizes that are
+none, contiguous and channels-last; the switch leaves the gather."""
 
 import pytest
 import torch
@@ -147,3 +149,48 @@ def test_a_norm_over_another_dim_stays_aten():
         actual = torch.compile(fn, backend=backend, fullgraph=True)(x)
     assert _count(backend, torch.ops.mindiesd.channel_rms_norm.default) == 0
     assert_close(actual, fn(x))
+
+
+class Upsampler(torch.nn.Module):
+    """A VAE decoder's up block in miniature: nearest upsampling, then a convolution."""
+
+    def __init__(self, channels=4, **interpolate):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.interpolate = interpolate
+
+    def forward(self, x):
+        return self.conv(F.interpolate(x, **self.interpolate))
+
+
+@pytest.mark.parametrize("interpolate,rule", [
+    (dict(scale_factor=2.0, mode="nearest"), "nearest"),
+    (dict(size=(10, 7), mode="nearest"), "nearest"),  # sizes that are no multiple: the tables still decide
+    (dict(size=(8, 9), mode="nearest-exact"), "nearest_exact"),  # at x2 its tables are nearest's
+], ids=["nearest_x2", "nearest_to_size", "nearest_exact"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_nearest_upsampling_gets_its_kernel_back(interpolate, rule, channels_last):
+    block = Upsampler(**interpolate).eval()
+    x = _randn(1, 4, 5, 6)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    backend = MindieSDBackend(CompilationConfig(strict=True), keep_graphs=True)
+    with torch.no_grad():
+        actual, expected = torch.compile(block, backend=backend, fullgraph=True)(x), block(x)
+    assert backend.report().rule_hits.get(f"upsample_nearest:{rule}") == 1
+    targets = {n.target for gm in backend.graphs for n in gm.graph.nodes}
+    assert torch.ops.aten._unsafe_index.Tensor not in targets and torch.ops.aten.index.Tensor not in targets
+    assert_close(actual, expected, torch.float32)
+    assert actual.stride() == expected.stride()
+
+
+def test_upsampling_switch_leaves_the_gather():
+    block = Upsampler(scale_factor=2.0, mode="nearest").eval()
+    backend = MindieSDBackend(CompilationConfig(strict=True, fusion_patterns={"enable_upsample_nearest": False}),
+                              keep_graphs=True)
+    x = _randn(1, 4, 5, 6)
+    with torch.no_grad():
+        actual = torch.compile(block, backend=backend, fullgraph=True)(x)
+    assert backend.report().matches["upsample_nearest"] == 0
+    assert torch.ops.aten._unsafe_index.Tensor in {n.target for gm in backend.graphs for n in gm.graph.nodes}
+    assert_close(actual, block(x), torch.float32)

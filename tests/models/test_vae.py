@@ -7,7 +7,8 @@ decoded from 1 + 1 latent frames), so their causal convolutions read the frames 
 AutoencoderKL's attention block leaves a view whose traced strides differ from the real ones in the batch dim, the
 case that ``compilation/cleanup/layout_checks.py`` exists for; it is decoded from a channels-last latent too.
 Each case counts the group_norm_silu ops against the group norms that feed a SiLU in an eager run, and the
-channel_rms_norm ops against the calls of Wan's and Qwen-Image's channel-wise RMS norms (module hooks).
+channel_rms_norm ops against the calls of Wan's and Qwen-Image's channel-wise RMS norms (module hooks), and aten's
+nearest-upsampling kernels against the 4-D nearest F.interpolate calls (upsample_nearest).
 """
 
 from dataclasses import dataclass
@@ -104,11 +105,18 @@ def _decode(vae: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda latent: vae.decode(latent, return_dict=False)[0]
 
 
-def _sites(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Tuple[int, int]:
+def _sites(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Tuple[int, int, int]:
     """The convolutional families' sites in an eager run of ``fn(x)``, found by module hooks: the group norms whose
     output an nn.SiLU then takes (group_norm_silu), and the calls of a channel-first ``WanRMS_norm`` or
-    ``QwenImageRMS_norm`` (channel_rms_norm; each call of a module unrolled by Dynamo is a site of its own)."""
-    outputs, counts = set(), [0, 0]
+    ``QwenImageRMS_norm`` (channel_rms_norm; each call of a module unrolled by Dynamo is a site of its own); and
+    the 4-D nearest upsamplings (``F.interpolate`` calls: upsample_nearest)."""
+    outputs, counts = set(), [0, 0, 0]
+    interpolate = torch.nn.functional.interpolate
+
+    def counting_interpolate(input, *args, **kwargs):
+        mode = kwargs.get("mode", args[2] if len(args) > 2 else "nearest")
+        counts[2] += input.dim() == 4 and mode in ("nearest", "nearest-exact")
+        return interpolate(input, *args, **kwargs)
 
     def norm_ran(module, args, output):
         outputs.add(id(output))
@@ -127,13 +135,15 @@ def _sites(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
             hooks.append(m.register_forward_pre_hook(silu_runs))
         elif type(m).__name__ in ("WanRMS_norm", "QwenImageRMS_norm") and m.channel_first:
             hooks.append(m.register_forward_pre_hook(channel_norm_runs))
+    torch.nn.functional.interpolate = counting_interpolate
     try:
         with torch.no_grad():
             fn(x)
     finally:
+        torch.nn.functional.interpolate = interpolate
         for hook in hooks:
             hook.remove()
-    return counts[0], counts[1]
+    return counts[0], counts[1], counts[2]
 
 
 def _fused(backend: Any, op: Any) -> int:
@@ -142,7 +152,7 @@ def _fused(backend: Any, op: Any) -> int:
 
 
 def _check(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-    group_norms, channel_norms = _sites(vae, fn, x)
+    group_norms, channel_norms, upsamplings = _sites(vae, fn, x)
     actual, expected, _, backend = run_compiled(fn, x, config=CompilationConfig(strict=True))
     assert_close(actual, expected)
     assert not backend.report().fallbacks
@@ -150,6 +160,9 @@ def _check(vae: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     # and every channel-wise RMS norm
     assert _fused(backend, torch.ops.mindiesd.group_norm_silu.default) == group_norms
     assert _fused(backend, torch.ops.mindiesd.channel_rms_norm.default) == channel_norms
+    # every 4-D nearest upsampling runs aten's kernel, not the gather aot decomposes it into
+    kernels = (torch.ops.aten.upsample_nearest2d.vec, torch.ops.aten._upsample_nearest_exact2d.vec)
+    assert sum(_fused(backend, kernel) for kernel in kernels) == upsamplings
 
 
 @pytest.mark.parametrize("part", ["encode", "decode"])

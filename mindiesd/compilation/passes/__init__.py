@@ -22,9 +22,10 @@ from .mul_add import MulAddPass
 from .norm_rope import NormRopePass
 from .rms_norm import RMSNormPass
 from .rope import RoPEPass
+from .upsample_nearest import UpsampleNearestPass
 
-_CLASSES = {cls.family: cls for cls in (FlexAttentionPass, MergeProjectionsPass, Int8LinearPass, DequantLinearPass, RMSNormPass,
-                                        RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, ChannelRmsNormPass,
+_CLASSES = {cls.family: cls for cls in (FlexAttentionPass, UpsampleNearestPass, MergeProjectionsPass, Int8LinearPass,
+                                        DequantLinearPass, RMSNormPass, RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, ChannelRmsNormPass,
                                         GluPass, LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
     raise RuntimeError(f"the passes {sorted(_CLASSES)} do not match the families {list(FAMILIES)}")

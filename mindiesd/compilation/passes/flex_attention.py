@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx_utils import Emitter, same_layout, tensor_val
+from ..fx_utils import Emitter, literal_value, same_layout, tensor_val
 from ..report import MindieSDFallbackWarning
 
 log = logging.getLogger("mindiesd.compilation")
@@ -130,50 +130,17 @@ def _always_true(sub: Optional[GraphModule]) -> bool:
     return isinstance(fill, (bool, int, float)) and bool(fill)
 
 
-def _constant_value(node: Any, cache: Dict[Node, Any], depth: int = 0) -> Any:
-    """The value of ``node`` where it is computed from literals alone (no placeholder, no get_attr), by running
-    its aten calls; None otherwise."""
-    if not isinstance(node, Node):
-        return node
-    if node in cache:
-        return cache[node]
-    value = None
-    if node.op == "call_function" and depth < 16 and isinstance(node.target, torch._ops.OpOverload) \
-            and node.target.namespace in ("aten", "prims") and not node.target._schema.is_mutable:
-        missing = object()
-
-        def arg(a: Any) -> Any:
-            if isinstance(a, Node):
-                v = _constant_value(a, cache, depth + 1)
-                return missing if v is None else v
-            return a
-
-        args = torch.fx.node.map_aggregate(node.args, arg)
-        kwargs = torch.fx.node.map_aggregate(node.kwargs, arg)
-        flat = [*torch.utils._pytree.tree_leaves(args), *torch.utils._pytree.tree_leaves(kwargs)]
-        if not any(a is missing for a in flat):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            try:
-                with unset_fake_temporarily():  # real values, where aot's fake mode is active
-                    value = node.target(*args, **kwargs)
-            except Exception:
-                value = None
-    cache[node] = value
-    return value
-
-
 def _covers_all_blocks(mask: Sequence[Any], q_len: int, kv_len: int, cache: Dict[Node, Any]) -> bool:
     """The block tables list every KV block for every query block (partial or full), so that the kernels, which
     skip unlisted blocks, attend to everything."""
     q_block, kv_block = mask[-3], mask[-2]
     if not all(isinstance(b, int) and b > 0 for b in (q_block, kv_block)):
         return False
-    num, idx = _constant_value(mask[_KV_NUM], cache), _constant_value(mask[_KV_IDX], cache)
+    num, idx = literal_value(mask[_KV_NUM], cache), literal_value(mask[_KV_IDX], cache)
     if not isinstance(num, torch.Tensor) or not isinstance(idx, torch.Tensor):
         return False
-    full_num = _constant_value(mask[_FULL_KV_NUM], cache) if mask[_FULL_KV_NUM] is not None else None
-    full_idx = _constant_value(mask[_FULL_KV_IDX], cache) if mask[_FULL_KV_IDX] is not None else None
+    full_num = literal_value(mask[_FULL_KV_NUM], cache) if mask[_FULL_KV_NUM] is not None else None
+    full_idx = literal_value(mask[_FULL_KV_IDX], cache) if mask[_FULL_KV_IDX] is not None else None
     if (mask[_FULL_KV_NUM] is not None) != isinstance(full_num, torch.Tensor) \
             or (mask[_FULL_KV_IDX] is not None) != isinstance(full_idx, torch.Tensor):
         return False
