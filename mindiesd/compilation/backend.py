@@ -43,7 +43,7 @@ from .graph_log import GraphLog, resolve_log_dir
 from .cleanup import AFTER_FUSION, CleanupStep
 from .cleanup.layout_checks import restore_layout_checks
 from .pass_manager import PassManager
-from .passes.flex_attention import FlexRegion
+from .passes.flex_attention import FLEX_ATTENTION, FlexRegion
 from .report import CompileReport, GraphRecord, MindieSDFallbackWarning, fusion_report
 
 log = logging.getLogger("mindiesd.compilation")
@@ -275,8 +275,8 @@ def _unstorable(gm: Optional[GraphModule]) -> Optional[str]:
     for node in gm.graph.nodes:
         if isinstance(node.target, FlexRegion):
             return "a flex_attention region compiled by Inductor (Inductor caches its own code)"
-        if isinstance(node.target, torch._ops.HigherOrderOperator):
-            return f"a higher-order op ({node.target.name()}) whose subgraphs are not stored"
+        if FLEX_ATTENTION is not None and node.target is FLEX_ATTENTION:
+            return "a flex_attention call left as traced (its score and mask subgraphs are not stored)"
     return None
 
 
