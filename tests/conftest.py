@@ -46,11 +46,19 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Each test starts from default settings and an empty Dynamo cache."""
+    """Each test starts from default settings and an empty Dynamo cache, and leaves diffusers' process-wide
+    attention backend as it found it (``model.set_attention_backend`` sets it for every model built after)."""
     from mindiesd.compilation import CompilationConfig
 
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    active = dispatch._AttentionBackendRegistry._active_backend if dispatch is not None else None
     CompilationConfig.reset()
     torch._dynamo.reset()
     yield
     CompilationConfig.reset()
     torch._dynamo.reset()
+    if dispatch is None:
+        dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+        active = dispatch.AttentionBackendName(dispatch.DIFFUSERS_ATTN_BACKEND) if dispatch is not None else None
+    if dispatch is not None:
+        dispatch._AttentionBackendRegistry._active_backend = active

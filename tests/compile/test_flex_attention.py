@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from fusion_utils import assert_close
 from mindiesd import zoo
-from mindiesd.compilation import CompilationConfig, MindieSDBackend
+from mindiesd.compilation import CompilationConfig, MindieSDBackend, MindieSDFallbackWarning
 from mindiesd.compilation.passes.flex_attention import FLEX_ATTENTION, FlexRegion, _covers_all_blocks
 
 pytestmark = [pytest.mark.filterwarnings("error::mindiesd.compilation.MindieSDFallbackWarning"),
@@ -70,6 +70,11 @@ def _masked(q, k, v):  # a block mask built in the graph, and a score function r
     return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], block_mask=mask)
 
 
+def _score_only(q, k, v):  # diffusers' flex backend with a float mask: a score function, flex's default block mask
+    bias = torch.linspace(-1.0, 1.0, k.shape[-2], device=q.device)
+    return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki])
+
+
 @pytest.mark.parametrize("fn,heads,rule,dtype", [
     (_plain, (2, 2), "sdpa", torch.float32),
     (_plain, (2, 2), "sdpa", torch.bfloat16),
@@ -105,6 +110,21 @@ def test_symbolic_lengths_with_the_default_mask_become_sdpa():
             assert_close(compiled(q, k, v), _plain(q, k, v), torch.float32)
     assert backend.report().graphs == 1 and backend.report().rule_hits == {"flex_attention:sdpa": 1}
     assert FLEX_ATTENTION not in _targets(backend)
+
+
+@pytest.mark.filterwarnings("default::mindiesd.compilation.MindieSDFallbackWarning")
+def test_a_region_inductor_cannot_lower_runs_the_reference_with_a_warning():
+    # a score function over flex's default mask: Inductor's CPU lowering cannot take its mask function
+    q, k, v = (_randn(1, 2, 136, 16, seed=s) for s in range(3))
+    backend = MindieSDBackend(CompilationConfig(strict=True), keep_graphs=True)
+    compiled = torch.compile(_score_only, backend=backend, fullgraph=True)
+    with torch.no_grad(), pytest.warns(MindieSDFallbackWarning, match="Inductor cannot lower flex_attention"):
+        actual = compiled(q, k, v)
+    with torch.no_grad():
+        again = compiled(q, k, v)
+    assert backend.report().rule_hits == {"flex_attention:inductor": 1}
+    assert_close(actual, _score_only(q, k, v), torch.float32)
+    assert_close(again, actual, torch.float32)
 
 
 def test_switch_off_leaves_the_call():

@@ -68,22 +68,45 @@ class FlexRegion:
         key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compile(list(tensors))
+            compiled, outputs = self._compile(list(tensors))
             self._compiled[key] = compiled
+            return outputs
         return tuple(compiled(list(tensors)))
 
-    def _compile(self, tensors: List[torch.Tensor]) -> Any:
+    def _reference(self, args: List[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        return tuple(self.gm(*args))
+
+    def _compile(self, tensors: List[torch.Tensor]) -> Tuple[Any, Tuple[torch.Tensor, ...]]:
+        """Inductor's code for these layouts and its outputs on ``tensors``; flex's reference instead (with one
+        warning) where Inductor fails to lower the call or its first outputs differ from the reference's."""
         from torch._inductor.compile_fx import compile_fx_inner
 
         log.info("flex_attention %s: compiling its region with Inductor's flex lowering", self.label)
+        expected = self._reference(tensors)
         try:
             with torch.no_grad():
-                return compile_fx_inner(self.gm, tensors)
-        except Exception as exc:  # Inductor lowers no such call: flex's reference runs it, as eager does
-            warnings.warn(f"mindiesd: Inductor cannot lower flex_attention {self.label} ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}); it runs flex's unfused reference",
-                          MindieSDFallbackWarning, stacklevel=2)
-            return lambda args: self.gm(*args)
+                compiled = compile_fx_inner(self.gm, tensors)
+                outputs = tuple(compiled(list(tensors)))
+            why = _mismatch(outputs, expected)
+        except Exception as exc:  # Inductor lowers no such call
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if why is None:
+            return compiled, outputs
+        warnings.warn(f"mindiesd: Inductor cannot lower flex_attention {self.label} ({why}); it runs flex's "
+                      "unfused reference", MindieSDFallbackWarning, stacklevel=3)
+        return self._reference, expected
+
+
+def _mismatch(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> Optional[str]:
+    """Why Inductor's outputs are not the reference's within the dtype's tolerance, or None."""
+    for a, e in zip(actual, expected):
+        tolerance = 1e-4 if e.dtype == torch.float32 else 2e-2
+        scale = e.abs().max().item() if e.numel() else 0.0
+        if a.shape != e.shape:
+            return "its output's shape differs from the reference's"
+        if e.numel() and (a.float() - e.float()).abs().max().item() > tolerance * max(scale, 1.0):
+            return "its output differs from the reference's"
+    return None
 
 
 def has_flex_region(gm: GraphModule) -> bool:
