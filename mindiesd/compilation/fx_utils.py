@@ -28,7 +28,7 @@ __all__ = [
     "val", "tensor_val", "float_tensor", "is_call", "writes_in_place", "placeholders", "input_source",
     "FOLDED_FROM", "unfolded", "same_input", "subclass_parts",
     "known_eq", "same_shape", "same_layout", "foldable_nodes", "is_packed", "fake_call", "Emitter", "erase_unused",
-    "MAX_EXPANDED_NUMEL", "literal_value", "MAX_LITERAL_NUMEL",
+    "MAX_EXPANDED_NUMEL", "literal_value", "MAX_LITERAL_NUMEL", "replace_readers",
 ]
 
 #: Calls that allocate without computing: two of them are two buffers, never one, and a write into one writes
@@ -299,6 +299,15 @@ def is_number(node: torch.fx.Node) -> bool:
     """Whether ``node`` computes a number (a ``SymInt``, ``SymFloat``, ``SymBool`` or plain one): from its traced
     value, or in a loaded graph, whose nodes carry none, from what was stored."""
     return isinstance(node.meta.get("val"), _NUMBER_TYPES) or node.meta.get("number", False)
+
+
+def replace_readers(node: Node, value: Node) -> None:
+    """Make every reader of ``node`` (each a view or copy that ``value`` stands for: a ``getitem`` of its first
+    output, a copy into ``value``'s layout) read ``value`` instead, then erase those readers and ``node``."""
+    for reader in list(node.users):
+        reader.replace_all_uses_with(value)
+        node.graph.erase_node(reader)
+    node.graph.erase_node(node)
 
 
 #: The most elements :func:`literal_value` computes for one node (index tables, block masks: small).

@@ -31,7 +31,7 @@ from .matcher import Match, Pattern, explain, is_self_contained, match
 
 explain_log = logging.getLogger("mindiesd.compilation.explain")
 
-__all__ = ["FusionPass", "Rule", "last_dim_index"]
+__all__ = ["FusionPass", "LoweringPass", "Rule", "last_dim_index"]
 
 
 def last_dim_index(dims: Any, rank: int) -> bool:
@@ -162,3 +162,42 @@ class FusionPass:
         new, old = tensor_val(fused), tensor_val(original)
         return new is not None and old is not None and same_layout(new, old)
 
+
+class LoweringPass:
+    """A ``lower``-stage pass (on the whole aten graph, before freezing): each call of one of :attr:`targets` goes to
+    :meth:`lower`, which rewrites it and returns the rule that did, or returns None and leaves it; :attr:`hits`
+    counts the rewrites per rule. Returns how many calls it rewrote; the graph is linted and recompiled after any."""
+
+    family = ""
+    stage = "lower"
+    #: The call targets the pass looks at.
+    targets: Tuple[Any, ...] = ()
+
+    def __init__(self) -> None:
+        self.hits: Counter = Counter()
+
+    def __call__(self, gm: GraphModule) -> int:
+        cache: Dict[Node, Any] = {}  # values :func:`~mindiesd.compilation.fx_utils.literal_value` found
+        self.begin(gm)
+        lowered = 0
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in self.targets:
+                rule = self.lower(gm, node, cache, lowered)
+                if rule is not None:
+                    self.hits[rule] += 1
+                    lowered += 1
+        if lowered:
+            self.finish(gm)
+            gm.graph.lint()
+            gm.recompile()
+        return lowered
+
+    def begin(self, gm: GraphModule) -> None:
+        """Before the graph's calls are looked at."""
+
+    def finish(self, gm: GraphModule) -> None:
+        """After a graph in which at least one call was rewritten."""
+
+    def lower(self, gm: GraphModule, node: Node, cache: Dict[Node, Any], index: int) -> Optional[str]:
+        """Rewrite ``node`` (the ``index``-th rewrite of this graph); the rule's name, or None to leave it."""
+        raise NotImplementedError

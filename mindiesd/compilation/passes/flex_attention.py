@@ -25,14 +25,14 @@ import itertools
 import logging
 import operator
 import warnings
-from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx_utils import Emitter, literal_value, same_layout, tensor_val
+from ..fx_utils import Emitter, literal_value, replace_readers, same_layout, tensor_val
 from ..report import MindieSDFallbackWarning
+from .base import LoweringPass
 
 log = logging.getLogger("mindiesd.compilation")
 aten = torch.ops.aten
@@ -190,47 +190,37 @@ def _at(nested: Any, where: Tuple[int, ...]) -> Any:
     return nested
 
 
-class FlexAttentionPass:
+class FlexAttentionPass(LoweringPass):
     """Lowers each flex_attention call (the module docstring says how); returns how many it lowered."""
 
     family = "flex_attention"
-    stage = "lower"
+    targets = (FLEX_ATTENTION,) if FLEX_ATTENTION is not None else ()
 
     def __init__(self) -> None:
-        self.hits: Counter = Counter()
+        super().__init__()
         #: Whether calls that need Inductor may be compiled by it (the CPU and CUDA, inference graphs), and the
         #: graph's device type (set by the pass manager before each graph).
         self.inductor, self.device_type = True, "cpu"
         #: Why the last graph kept a flex_attention call on its unfused path, or None.
         self.why_not: Optional[str] = None
 
-    def __call__(self, gm: GraphModule) -> int:
-        if FLEX_ATTENTION is None:
-            return 0
-        graph = gm.graph
-        lowered = 0
-        cache: Dict[Node, Any] = {}
+    def begin(self, gm: GraphModule) -> None:
         self.why_not = None if self.inductor else "no Inductor for this graph (a training graph, or not the CPU or CUDA)"
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not FLEX_ATTENTION:
-                continue
-            rule = "sdpa" if self._to_sdpa(gm, node, cache) else None
-            if rule is None and self.inductor and self._to_region(gm, node, lowered):
-                rule = "inductor"
-            if rule is None:
-                log.info("flex_attention %s left on its unfused path: %s", node.name, self.why_not)
-                continue
-            self.hits[rule] += 1
-            lowered += 1
-        if lowered:
-            for node in list(graph.nodes):  # the score and mask functions nothing calls any more
-                if node.op == "get_attr" and not node.users and isinstance(getattr(gm, node.target, None), GraphModule):
-                    name = node.target
-                    graph.erase_node(node)
-                    gm.delete_submodule(name)
-            graph.lint()
-            gm.recompile()
-        return lowered
+
+    def lower(self, gm: GraphModule, node: Node, cache: Dict[Node, Any], index: int) -> Optional[str]:
+        if self._to_sdpa(gm, node, cache):
+            return "sdpa"
+        if self.inductor and self._to_region(gm, node, index):
+            return "inductor"
+        log.info("flex_attention %s left on its unfused path: %s", node.name, self.why_not)
+        return None
+
+    def finish(self, gm: GraphModule) -> None:
+        for node in list(gm.graph.nodes):  # the score and mask functions nothing calls any more
+            if node.op == "get_attr" and not node.users and isinstance(getattr(gm, node.target, None), GraphModule):
+                name = node.target
+                gm.graph.erase_node(node)
+                gm.delete_submodule(name)
 
     @staticmethod
     def _parts(node: Node) -> Optional[Tuple[Node, Node, Node, Any, Sequence[Any], Any, Dict[str, Any], Sequence, Sequence]]:
@@ -276,10 +266,7 @@ class FlexAttentionPass:
             if not same_layout(out.meta["val"], want):
                 emit.discard()
                 return False
-        for user in users:
-            user.replace_all_uses_with(out)
-            node.graph.erase_node(user)
-        node.graph.erase_node(node)
+        replace_readers(node, out)  # each reader takes the output, which the call returned first
         return True
 
     def _to_region(self, gm: GraphModule, node: Node, index: int) -> bool:

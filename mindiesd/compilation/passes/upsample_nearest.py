@@ -14,13 +14,13 @@ into the kernel's own layout, which is then dropped.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import Emitter, erase_unused, literal_value, same_layout, tensor_val
+from ..fx_utils import Emitter, erase_unused, literal_value, replace_readers, same_layout, tensor_val
+from .base import LoweringPass
 
 log = logging.getLogger("mindiesd.compilation")
 aten = torch.ops.aten
@@ -45,29 +45,14 @@ def _kernel_for(size: int, out: int, table: torch.Tensor) -> Optional[str]:
     return None
 
 
-class UpsampleNearestPass:
+class UpsampleNearestPass(LoweringPass):
     """Replaces each gather that is a nearest upsampling by aten's kernel; returns how many it replaced."""
 
     family = "upsample_nearest"
-    stage = "lower"
+    targets = _GATHERS
 
-    def __init__(self) -> None:
-        self.hits: Counter = Counter()
-
-    def __call__(self, gm: GraphModule) -> int:
-        graph = gm.graph
-        cache: Dict[Node, Any] = {}
-        replaced = 0
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _GATHERS:
-                rule = self._rewrite(node, cache)
-                if rule is not None:
-                    self.hits[rule] += 1
-                    replaced += 1
-        if replaced:
-            graph.lint()
-            gm.recompile()
-        return replaced
+    def lower(self, gm: GraphModule, node: Node, cache: Dict[Node, Any], index: int) -> Optional[str]:
+        return self._rewrite(node, cache)
 
     @staticmethod
     def _rule(node: Node, cache: Dict[Node, Any]) -> Optional[tuple]:
@@ -100,16 +85,14 @@ class UpsampleNearestPass:
         new = emit(_KERNELS[rule], x, size, None)
         if same_layout(new.meta["val"], node.meta["val"]):
             node.replace_all_uses_with(new)
+            node.graph.erase_node(node)
         else:  # kept only where every reader copies it into the kernel's own layout: those copies go
             users = list(node.users)
             if not users or not all(u.target is aten.clone.default and "memory_format" in u.kwargs
                                     and same_layout(new.meta["val"], u.meta.get("val")) for u in users):
                 emit.discard()
                 return None
-            for user in users:
-                user.replace_all_uses_with(new)
-                node.graph.erase_node(user)
-        node.graph.erase_node(node)
+            replace_readers(node, new)
         erase_unused(tables)  # the index tables' computation, where nothing else reads it
         return rule
 
