@@ -63,13 +63,23 @@ def build(name: str, dtype: torch.dtype, seed: int, channels_last: bool = False)
     return vae, z
 
 
+#: The aten kernels the convolutional families put in a graph, by the family's name.
+LOWERED = {"aten::mkldnn_convolution": "conv_channels_last", "aten::upsample_nearest2d": "upsample_nearest",
+           "aten::_upsample_nearest_exact2d": "upsample_nearest"}
+
+
 def fused_ops(graphs: list) -> dict[str, int]:
-    """Calls of each mindiesd op in ``graphs``."""
+    """Calls of each mindiesd op in ``graphs``, and of the aten kernels that the convolutional families call
+    (:data:`LOWERED`), by family."""
     counts: Counter = Counter()
     for gm in graphs:
         for node in gm.graph.nodes:
-            if node.op == "call_function" and getattr(node.target, "namespace", None) == "mindiesd":
+            if node.op != "call_function":
+                continue
+            if getattr(node.target, "namespace", None) == "mindiesd":
                 counts[node.target._opname] += 1
+            elif getattr(node.target, "name", None) and LOWERED.get(node.target.name()):
+                counts[LOWERED[node.target.name()]] += 1
     return dict(counts)
 
 

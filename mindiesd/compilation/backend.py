@@ -256,7 +256,7 @@ class _FreezeAndFuse:
         if restored:
             log.debug("layout checks restored at run time: %d", restored)
         passes = PassManager(context.families, context.device_type, force=context.force)
-        lowered = passes.run_lower(aten_gm, self.graph_log,
+        lowered = passes.run_lower(aten_gm, self.graph_log, training=context.training,
                                    inductor=context.device_type in ("cpu", "cuda") and not context.training)
         fused = fuse(context, freeze(context, aten_gm, len(aten_inputs), passes, self.graph_log), aten_gm, passes,
                      self.graph_log)

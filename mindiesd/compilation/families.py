@@ -135,6 +135,23 @@ FAMILIES: Dict[str, FusionFamily] = {
             },
         ),
         FusionFamily(
+            name="conv_channels_last",
+            doc="Run float32 2-D and 3-D CPU convolutions on oneDNN over channels-last operands (the weights' copy "
+                "folded at freeze time), where aten picks its reference kernels for small batches and sizes (the "
+                "causal 3-D convolutions of Wan's VAE) and reorders NCHW operands on every call; the activations "
+                "stay channels-last between convolutions and the graph's outputs keep their traced layout.",
+            op=None,
+            stage="lower",
+            group="convolutional",
+            # measured with ``bench vae`` (docs/benchmarks.md "VAE decode")
+            rewrites={
+                "cpu": Rewrite(True, "faster than aten's choice of kernel and layout on the CPUs measured (2-core "
+                                     "AMD EPYC with AVX-512, fp32: AutoencoderKL and AutoencoderKLWan decodes)"),
+                "cuda": Rewrite(False, "CPU only: oneDNN's kernels"),
+                "npu": Rewrite(False, "CPU only: oneDNN's kernels"),
+            },
+        ),
+        FusionFamily(
             name="merge_projections",
             doc="Merge sibling linear layers that read the same input (Q/K/V, context K/V, Flux single blocks' "
                 "MLP input beside Q/K/V) into one matmul over the concatenated weight, folded at freeze time "

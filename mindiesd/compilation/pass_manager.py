@@ -47,11 +47,13 @@ class PassManager:
         #: The passes of the ``fusion`` stage (on the main graph; :meth:`run`).
         self.passes = [p for p in chosen if FAMILIES[p.family].stage == "fusion"]
 
-    def run_lower(self, gm: GraphModule, graph_log: GraphLog, *, inductor: bool = True) -> Dict[str, int]:
+    def run_lower(self, gm: GraphModule, graph_log: GraphLog, *, inductor: bool = True,
+                  training: bool = False) -> Dict[str, int]:
         """Apply the ``lower``-stage passes to the whole aten graph ``gm``, frozen or not; returns the rewrites per
-        family. ``inductor``: whether a call may be handed to Inductor (the CPU and CUDA, inference graphs)."""
+        family. ``inductor``: whether a call may be handed to Inductor (the CPU and CUDA, inference graphs);
+        ``training``: whether aot builds a training graph."""
         for lowering in self.lower_passes:
-            lowering.inductor, lowering.device_type = inductor, self.device_type
+            lowering.inductor, lowering.device_type, lowering.training = inductor, self.device_type, training
         return self._apply(self.lower_passes, gm, graph_log)
 
     def run_freeze(self, gm: GraphModule, constant_inputs: Set[Node], graph_log: GraphLog) -> Dict[str, int]:

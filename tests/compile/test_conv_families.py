@@ -5,7 +5,10 @@ eager's layout. A norm without a SiLU after it stays aten's; the switch turns th
 own WanRMS_norm (Wan's and Qwen-Image's VAEs), with and without bias and SiLU, images and video, fp32 and bf16,
 contiguous and channels-last. upsample_nearest: F.interpolate's nearest and nearest-exact modes, which aot decomposes
 into a gather, call aten's upsampling kernel again (counted; no gather left), at integer scales and at sizes that are
-none, contiguous and channels-last; the switch leaves the gather."""
+none, contiguous and channels-last; the switch leaves the gather. conv_channels_last: float32 2-D and 3-D
+convolutions become oneDNN's over channels-last operands (counted), through a VAE's attention (a view and an
+attention read the changed layout back in the traced one) and a causal convolution's padding and frame cache; the
+outputs keep eager's layout; the switch, and a graph where a changed layout cannot be given back, stay aten's."""
 
 import pytest
 import torch
@@ -64,6 +67,8 @@ def test_group_norm_and_silu_fuse(dims, groups, eps, affine, dtype):
     actual, expected, fused, backend = _compile(block, x)
     assert fused == 2  # norm1 and norm2; norm_out has no SiLU after it
     assert backend.report().matches["group_norm_silu"] == 2
+    # float32 convolutions run on oneDNN in channels-last (conv_channels_last); bf16 ones are left to aten
+    assert _count(backend, torch.ops.aten.mkldnn_convolution.default) == (2 if dtype == torch.float32 else 0)
     assert actual.stride() == expected.stride()
     assert_close(actual, expected)
 
@@ -194,3 +199,84 @@ def test_upsampling_switch_leaves_the_gather():
     assert backend.report().matches["upsample_nearest"] == 0
     assert torch.ops.aten._unsafe_index.Tensor in {n.target for gm in backend.graphs for n in gm.graph.nodes}
     assert_close(actual, block(x), torch.float32)
+
+
+class ConvAttentionBlock(torch.nn.Module):
+    """Convolutions around a VAE attention in miniature: a 3x3 conv, a 1x1 qkv conv whose output is viewed as tokens
+    for scaled_dot_product_attention (whose CPU kernel reads its inputs' last dim as contiguous), the tokens back
+    into an image and a 1x1 projection, a residual add; for video a causal 3-D conv: the first frame repeated in
+    front, the last two frames kept as a cache and concatenated in front of the next chunk, whose first chunk is
+    one frame (a size-1 dim, where aten's kernels and their traced values may lay an output out differently), a
+    channel-wise norm before the attention."""
+
+    def __init__(self, dims=2, channels=8):
+        super().__init__()
+        conv = torch.nn.Conv2d if dims == 2 else torch.nn.Conv3d
+        self.dims, self.channels = dims, channels
+        self.conv_in = conv(channels, channels, 3, padding=(0, 1, 1) if dims == 3 else 1)
+        self.qkv = torch.nn.Conv2d(channels, 3 * channels, 1)
+        self.proj = torch.nn.Conv2d(channels, channels, 1)
+        self.conv_out = conv(channels, 4, 3, padding=(0, 1, 1) if dims == 3 else 1)
+
+    def causal(self, conv, x, cache=None):
+        front = x[:, :, :1].expand(-1, -1, 2, -1, -1) if cache is None else cache
+        padded = torch.cat([front, x], dim=2)
+        return conv(padded), x[:, :, -2:].clone()
+
+    def attention(self, x):
+        n, c, h, w = x.shape
+        q, k, v = self.qkv(x).view(n, 3 * c, h * w).permute(0, 2, 1).chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.permute(0, 2, 1).reshape(n, c, h, w))
+
+    def forward(self, x):
+        if self.dims == 2:
+            return self.conv_out(F.silu(self.attention(F.silu(self.conv_in(x)))))
+        first, cache = self.causal(self.conv_in, x[:, :, :1])  # Wan's first chunk: one frame
+        second, _ = self.causal(self.conv_in, x[:, :, 1:], cache)
+        h = F.normalize(torch.cat([first, second], dim=2), dim=1)  # Wan's channel-wise norm: a broadcast divide
+        n, c, t, height, width = h.shape
+        frames = h.permute(0, 2, 1, 3, 4).reshape(n * t, c, height, width)
+        frames = self.attention(frames).reshape(n, t, c, height, width).permute(0, 2, 1, 3, 4)
+        return self.causal(self.conv_out, F.silu(frames))[0]
+
+
+@pytest.mark.parametrize("dims", [2, 3], ids=["2d", "3d_causal"])
+def test_convolutions_run_on_onednn_in_channels_last(dims):
+    block = ConvAttentionBlock(dims).eval()
+    x = _randn(1, 8, *((4, 6, 5) if dims == 3 else (6, 5)))
+    actual, expected, _, backend = _compile(block, x)
+    # video: conv_in on each of the two chunks, conv_out once (3-D), qkv and proj on the frames (2-D)
+    rules = {"conv_channels_last:conv3d": 3, "conv_channels_last:conv2d": 2} if dims == 3 \
+        else {"conv_channels_last:conv2d": 4}
+    assert _count(backend, torch.ops.aten.mkldnn_convolution.default) == sum(rules.values())
+    assert _count(backend, torch.ops.aten.convolution.default) == 0
+    assert {k: v for k, v in backend.report().rule_hits.items() if k.startswith("conv_channels_last")} == rules
+    assert actual.stride() == expected.stride()
+    assert_close(actual, expected)
+    # the layout reaches the attention only in the layout it was traced with: no wrong value from its kernel
+    again, _, _, _ = _compile(block, x)
+    assert_close(again, expected)
+
+
+def test_conv_channels_last_switch_and_a_layout_that_cannot_be_given_back(monkeypatch):
+    from mindiesd.compilation.passes import conv_channels_last
+
+    def fn(x, weight):
+        y = F.conv2d(x, weight, padding=1)
+        return torch.flip(y[:, :, 1:], dims=[2])  # a slice of the convolution, read by an op that needs its layout
+
+    x, weight = _randn(1, 8, 6, 5), _randn(4, 8, 3, 3)
+    for config in ({"fusion_patterns": {"enable_conv_channels_last": False}}, {}):
+        if not config:  # no view is given back: the slice's traced layout cannot be made from the changed one
+            monkeypatch.setattr(conv_channels_last, "_VIEWS", frozenset())
+        backend = MindieSDBackend(CompilationConfig(**config), keep_graphs=True)
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        with torch.no_grad():
+            actual = compiled(x, weight)
+        assert_close(actual, fn(x, weight))
+        assert _count(backend, torch.ops.aten.mkldnn_convolution.default) == 0
+        assert _count(backend, torch.ops.aten.convolution.default) == 1
+        (record,) = backend.report().records
+        if not config:
+            assert "left in aten's layout" in record.skipped["conv_channels_last"]

@@ -121,13 +121,13 @@ def test_backend_rejects_non_config():
 
 def test_enabled_families_in_pass_order():
     fp = FusionPatterns(enable_rope=False)
-    assert fp.enabled_families() == ("flex_attention", "upsample_nearest", "merge_projections", "int8_linear", "dequant_linear", "rms_norm", "norm_rope",
+    assert fp.enabled_families() == ("flex_attention", "upsample_nearest", "conv_channels_last", "merge_projections", "int8_linear", "dequant_linear", "rms_norm", "norm_rope",
                                      "adalayernorm", "group_norm_silu", "channel_rms_norm", "glu", "linear_gelu",
                                      "fast_gelu", "mul_add", "cat_linear")
     fp = FusionPatterns(enable_merge_projections=False, enable_int8_linear=False, enable_dequant_linear=False,
                         enable_linear_gelu=False, enable_cat_linear=False, enable_group_norm_silu=False,
                         enable_channel_rms_norm=False, enable_flex_attention=False,
-                        enable_upsample_nearest=False)
+                        enable_upsample_nearest=False, enable_conv_channels_last=False)
     assert fp.enabled_families() == ("rms_norm", "rope", "norm_rope", "adalayernorm", "glu", "fast_gelu", "mul_add")
 
 
@@ -204,7 +204,8 @@ def test_switches_and_passes_come_from_the_family_registry():
     assert list(families.FAMILIES) == list(PASSES) == list(FAMILY_SWITCHES)
     assert list(registry.SCHEMAS) == list(families.OP_FAMILIES) == [n for n in families.FAMILIES
                                                                            if n not in ("merge_projections", "flex_attention",
-                                                                                        "upsample_nearest")]
+                                                                                        "upsample_nearest",
+                                                                                        "conv_channels_last")]
     assert [families.FAMILIES[n].switch for n in families.SPEC_FAMILIES] == SPEC_SWITCHES
     assert families.GEMM_FAMILIES == ("merge_projections", "linear_gelu", "cat_linear")
     assert families.QUANTIZED_FAMILIES == ("int8_linear", "dequant_linear")
@@ -291,7 +292,7 @@ def test_compile_report_names_the_families_skipped_on_the_device(monkeypatch):
     assert set(record.skipped) == {"fast_gelu", "merge_projections", "linear_gelu"}  # GEMM: CPU default
     assert record.matches == {"int8_linear": 0, "dequant_linear": 0, "rms_norm": 1, "rope": 0, "norm_rope": 0, "adalayernorm": 0,
                               "group_norm_silu": 0, "channel_rms_norm": 0, "glu": 0, "mul_add": 0, "cat_linear": 0,
-                              "flex_attention": 0, "upsample_nearest": 0}
+                              "flex_attention": 0, "upsample_nearest": 0, "conv_channels_last": 0}
     assert record.fallback is None
 
 

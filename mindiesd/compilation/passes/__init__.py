@@ -10,6 +10,7 @@ from .adalayernorm import AdaLayerNormPass
 from .base import FusionPass, Rule
 from .cat_linear import CatLinearPass
 from .channel_rms_norm import ChannelRmsNormPass
+from .conv_channels_last import ConvChannelsLastPass
 from .dequant_linear import DequantLinearPass
 from .fast_gelu import FastGeluPass
 from .flex_attention import FlexAttentionPass
@@ -24,7 +25,7 @@ from .rms_norm import RMSNormPass
 from .rope import RoPEPass
 from .upsample_nearest import UpsampleNearestPass
 
-_CLASSES = {cls.family: cls for cls in (FlexAttentionPass, UpsampleNearestPass, MergeProjectionsPass, Int8LinearPass,
+_CLASSES = {cls.family: cls for cls in (FlexAttentionPass, UpsampleNearestPass, ConvChannelsLastPass, MergeProjectionsPass, Int8LinearPass,
                                         DequantLinearPass, RMSNormPass, RoPEPass, NormRopePass, AdaLayerNormPass, GroupNormSiluPass, ChannelRmsNormPass,
                                         GluPass, LinearGeluPass, FastGeluPass, MulAddPass, CatLinearPass)}
 if set(_CLASSES) != set(FAMILIES):
