@@ -376,7 +376,7 @@ def test_graph_log_url_writes_each_pass(tmp_path, as_url):
     # cat_linear: the one GEMM rewrite on on CPU (no match here); int8_linear and dequant_linear need quantized weights
     assert summary["matches"] == {**{f: 1 for f in FAMILIES}, "cat_linear": 0, "int8_linear": 0, "dequant_linear": 0,
                                   "group_norm_silu": 0, "channel_rms_norm": 0, "flex_attention": 0,
-                                  "upsample_nearest": 0}
+                                  "upsample_nearest": 0, "conv_channels_last": 0}
     assert (folder / "summary.txt").read_text().count("\n") == 1
 
 

@@ -341,7 +341,8 @@ def test_force_fast_makes_the_rewrites_for_one_backend_and_leaves_the_declaratio
 
 def test_force_fast_names_known_families_and_does_not_invent_a_kernel():
     with pytest.raises(ValueError,
-                       match="unknown fusion families \\['gelu'\\]; known: \\['flex_attention', 'upsample_nearest', 'merge_projections'"):
+                       match="unknown fusion families \\['gelu'\\]; known: \\['flex_attention', 'upsample_nearest', "
+                             "'conv_channels_last', 'merge_projections'"):
         MindieSDBackend(force_fast=["gelu"])
     from mindiesd.compilation.pass_manager import skip_reason
 
