@@ -78,8 +78,8 @@ def fused_ops(graphs: list) -> dict[str, int]:
                 continue
             if getattr(node.target, "namespace", None) == "mindiesd":
                 counts[node.target._opname] += 1
-            elif getattr(node.target, "name", None) and LOWERED.get(node.target.name()):
-                counts[LOWERED[node.target.name()]] += 1
+            elif isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in LOWERED:
+                counts[LOWERED[node.target._schema.name]] += 1
     return dict(counts)
 
 

@@ -146,7 +146,8 @@ FAMILIES: Dict[str, FusionFamily] = {
             # measured with ``bench vae`` (docs/benchmarks.md "VAE decode")
             rewrites={
                 "cpu": Rewrite(True, "faster than aten's choice of kernel and layout on the CPUs measured (2-core "
-                                     "AMD EPYC with AVX-512, fp32: AutoencoderKL and AutoencoderKLWan decodes)"),
+                                     "AMD EPYC with AVX-512, and limited to AVX2; fp32: AutoencoderKL and "
+                                     "AutoencoderKLWan decodes)"),
                 "cuda": Rewrite(False, "CPU only: oneDNN's kernels"),
                 "npu": Rewrite(False, "CPU only: oneDNN's kernels"),
             },
