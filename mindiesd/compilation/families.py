@@ -136,7 +136,8 @@ FAMILIES: Dict[str, FusionFamily] = {
         ),
         FusionFamily(
             name="conv_channels_last",
-            doc="Run float32 2-D and 3-D CPU convolutions on oneDNN over channels-last operands (the weights' copy "
+            doc="Run float32 2-D and 3-D CPU convolutions (bfloat16 too where the CPU has native bfloat16: "
+                "AVX-512 BF16, AMX) on oneDNN over channels-last operands (the weights' copy "
                 "folded at freeze time), where aten picks its reference kernels for small batches and sizes (the "
                 "causal 3-D convolutions of Wan's VAE) and reorders NCHW operands on every call; the activations "
                 "stay channels-last between convolutions and the graph's outputs keep their traced layout.",
@@ -146,8 +147,8 @@ FAMILIES: Dict[str, FusionFamily] = {
             # measured with ``bench vae`` (docs/benchmarks.md "VAE decode")
             rewrites={
                 "cpu": Rewrite(True, "faster than aten's choice of kernel and layout on the CPUs measured (2-core "
-                                     "AMD EPYC with AVX-512, and limited to AVX2; fp32: AutoencoderKL and "
-                                     "AutoencoderKLWan decodes)"),
+                                     "AMD EPYC with AVX-512 BF16, and limited to AVX2; fp32 and bf16: "
+                                     "AutoencoderKL and AutoencoderKLWan decodes)"),
                 "cuda": Rewrite(False, "CPU only: oneDNN's kernels"),
                 "npu": Rewrite(False, "CPU only: oneDNN's kernels"),
             },

@@ -67,8 +67,10 @@ def test_group_norm_and_silu_fuse(dims, groups, eps, affine, dtype):
     actual, expected, fused, backend = _compile(block, x)
     assert fused == 2  # norm1 and norm2; norm_out has no SiLU after it
     assert backend.report().matches["group_norm_silu"] == 2
-    # float32 convolutions run on oneDNN in channels-last (conv_channels_last); bf16 ones are left to aten
-    assert _count(backend, torch.ops.aten.mkldnn_convolution.default) == (2 if dtype == torch.float32 else 0)
+    # float32 convolutions run on oneDNN in channels-last (conv_channels_last); bf16 ones where the CPU has native
+    # bfloat16 (this machine's branch; test_conv_channels_last_dtypes_follow_the_cpu covers both on any CPU)
+    native = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert _count(backend, torch.ops.aten.mkldnn_convolution.default) == (2 if native else 0)
     assert actual.stride() == expected.stride()
     assert_close(actual, expected)
 
@@ -280,3 +282,28 @@ def test_conv_channels_last_switch_and_a_layout_that_cannot_be_given_back(monkey
         (record,) = backend.report().records
         if not config:
             assert "left in aten's layout" in record.skipped["conv_channels_last"]
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["native_bf16", "no_native_bf16"])
+def test_conv_channels_last_dtypes_follow_the_cpu(monkeypatch, bf16):
+    """Which dtypes the pass rewrites depends on the CPU (oneDNN's native bfloat16: AVX-512 BF16, AMX): both branches
+    on the traced graph alone (no kernel runs, so on any CPU): float32 always, bfloat16 only where native."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mindiesd.compilation.passes import conv_channels_last
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+
+    def fn(x, weight):
+        return F.silu(F.conv2d(x, weight, padding=1))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        gm = make_fx(fn, tracing_mode="fake")(_randn(1, 8, 6, 5, dtype=dtype), _randn(4, 8, 3, 3, dtype=dtype))
+        lowering = conv_channels_last.ConvChannelsLastPass()
+        rewritten = lowering(gm)
+        assert rewritten == _count_in(gm, torch.ops.aten.mkldnn_convolution.default)
+        assert rewritten == (1 if dtype == torch.float32 or bf16 else 0)
+
+
+def _count_in(gm, op):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is op)

@@ -5,7 +5,8 @@ first four dims hold few elements goes to the reference kernels (``slow_conv3d_f
 ``_slow_conv2d_forward``), which the causal 3-D convolutions of Wan's and Qwen-Image's VAEs hit at most of their
 sizes (up to 17x slower than oneDNN on them); and a convolution over contiguous NCHW activations and weights makes
 oneDNN reorder both on every call. This pass, on the whole aten graph before freezing, replaces every float32
-2-D and 3-D CPU convolution (not transposed, static sizes) by ``aten.mkldnn_convolution`` over channels-last
+2-D and 3-D CPU convolution (bfloat16 too where oneDNN has native bfloat16 kernels on this CPU: AVX-512 BF16,
+AMX) (not transposed, static sizes) by ``aten.mkldnn_convolution`` over channels-last
 operands (rule ``conv2d`` or ``conv3d``): the weight's copy into channels-last reads weights alone, so freezing
 folds it (one copy per weight set, not per call); the input is made channels-last with ``contiguous``, a copy only
 where it is not already, which after the first convolution it mostly is.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch._guards import detect_fake_mode
@@ -72,6 +73,12 @@ def _static(value: torch.Tensor) -> bool:
     return all(type(s) is int for s in value.shape)
 
 
+def _dtypes() -> Tuple[torch.dtype, ...]:
+    """The dtypes whose convolutions are rewritten: float32, and bfloat16 where oneDNN has native bfloat16 kernels
+    on this CPU (AVX-512 BF16, AMX)."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def _eligible(node: Node) -> Optional[str]:
     """Why the convolution ``node`` is not rewritten, or None."""
     x, weight, bias = (tensor_val(a) for a in node.args[:3])
@@ -81,9 +88,10 @@ def _eligible(node: Node) -> Optional[str]:
         return "transposed"
     if x.dim() not in _LAYOUTS or weight.dim() != x.dim():
         return f"{x.dim() - 2}-D (2-D and 3-D only)"
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-            or (node.args[2] is not None and (bias is None or bias.dtype != torch.float32)):
-        return "not float32 on the CPU"
+    dtypes = _dtypes()
+    if x.device.type != "cpu" or x.dtype not in dtypes or weight.dtype != x.dtype \
+            or (node.args[2] is not None and (bias is None or bias.dtype != x.dtype)):
+        return f"not {' or '.join(str(d).replace('torch.', '') for d in dtypes)} on the CPU"
     if not (_static(x) and _static(weight)):
         return "symbolic sizes"
     return None
