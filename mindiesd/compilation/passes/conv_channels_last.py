@@ -125,9 +125,10 @@ class ConvChannelsLastPass(LoweringPass):
         rewired: List[tuple] = []  # (reader, changed value, the copy in its traced layout that it reads instead)
         try:
             rules = self._rewrite(graph, set(convs), saved, created, replaced, rewired)
-        except _Refused as refused:
+        except Exception as refused:  # noqa: BLE001  (_Refused, or a fake kernel that failed: the graph as it was)
             self._undo(gm, saved, created, replaced, rewired)
-            self.why_not = f"left in aten's layout: {refused}"
+            reason = str(refused) if isinstance(refused, _Refused) else f"{type(refused).__name__}: {refused}"
+            self.why_not = f"left in aten's layout: {reason}"
             explain_log.debug("conv_channels_last: %s", self.why_not)
             return 0
         for rule in rules:
